@@ -1,0 +1,5 @@
+import sys
+
+from prefixflight.cli import main
+
+sys.exit(main())

@@ -1,0 +1,45 @@
+"""``prefixflight`` command line: one sub-command per module, registered below."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+from prefixflight.core import PrefixflightError
+
+from . import _replay_cmd
+
+__all__ = ["main"]
+
+Register = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], None]
+
+COMMANDS: tuple[Register, ...] = (_replay_cmd.register,)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="prefixflight",
+        description="Prefix caching done exactly: replay traces, simulate, benchmark.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for register in COMMANDS:
+        register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; return the exit status (0 ok, 1 bad input, 2 usage error)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        status: int = args.func(args)
+    except PrefixflightError as exc:
+        print(f"prefixflight {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # e.g. piped into head
+        return 0
+    except KeyboardInterrupt:
+        print("prefixflight: interrupted", file=sys.stderr)
+        return 130
+    return status

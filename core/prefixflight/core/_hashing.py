@@ -1,0 +1,124 @@
+"""Chained block hashes over token ids.
+
+Block ``i``'s hash covers block ``i``'s tokens and block ``i - 1``'s hash, so two prompts share
+the first ``k`` hashes exactly when they share the first ``k`` blocks of tokens. The chain is
+seeded by a namespace (model id, LoRA name, cache salt), so different tenants never share a
+block. Hashes are computed from little-endian int64 token bytes with hashlib or zlib, never
+with the builtin ``hash``: they are the same in every process, on every platform, in every
+Python version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import zlib
+from array import array
+from collections.abc import Hashable, Sequence
+from typing import Final, Literal, TypeAlias, final
+
+import attrs
+
+from ._validate import check_int
+
+__all__ = ["BlockHash", "BlockHasher", "HashAlgorithm"]
+
+BlockHash: TypeAlias = Hashable
+"""A block's identity: ``bytes`` from `BlockHasher`, ``int`` in Mooncake traces."""
+
+HashAlgorithm: TypeAlias = Literal["sha256", "crc64"]
+
+_SEED_TAG: Final = b"prefixflight/block-hash/v1\x00"
+_TOKEN_BYTES: Final = 8
+_SWAP: Final = sys.byteorder != "little"
+_sha256 = hashlib.sha256
+_crc32 = zlib.crc32
+
+
+def _token_bytes(token_ids: Sequence[int]) -> bytes:
+    try:
+        buf = array("q", token_ids)
+    except (TypeError, OverflowError) as exc:
+        from ._errors import UsageError
+
+        raise UsageError(f"token ids must be ints in the int64 range: {exc}") from None
+    if _SWAP:  # pragma: no cover - big-endian hosts only
+        buf.byteswap()
+    return buf.tobytes()
+
+
+def _as_bytes(namespace: str | bytes) -> bytes:
+    return namespace.encode("utf-8") if isinstance(namespace, str) else bytes(namespace)
+
+
+@final
+@attrs.frozen
+class BlockHasher:
+    """Token ids -> tuple of chained block hashes.
+
+    ``algorithm="sha256"`` (the default) gives 32-byte digests and is collision-safe.
+    ``algorithm="crc64"`` chains two CRC-32s into a 64-bit int: faster, but an adversary can
+    construct collisions, so never use it where tenants share one cache.
+
+    By default only full blocks are hashed (engines reuse only full pages);
+    ``include_partial=True`` also hashes the trailing partial block, as Mooncake traces and
+    llm-d's router do.
+    """
+
+    block_size: int = attrs.field(default=16)
+    namespace: str | bytes = attrs.field(default=b"")
+    algorithm: HashAlgorithm = attrs.field(default="sha256")
+    include_partial: bool = attrs.field(default=False)
+    _seed: bytes = attrs.field(init=False, repr=False, eq=False)
+
+    @block_size.validator
+    def _check_block_size(self, _a: object, value: object) -> None:
+        check_int("block_size", value, minimum=1)
+
+    @namespace.validator
+    def _check_namespace(self, _a: object, value: object) -> None:
+        if not isinstance(value, (str, bytes)):
+            from ._errors import ConfigError
+
+            raise ConfigError(f"namespace must be str or bytes, got {value!r}")
+
+    @algorithm.validator
+    def _check_algorithm(self, _a: object, value: object) -> None:
+        if value not in ("sha256", "crc64"):
+            from ._errors import ConfigError
+
+            raise ConfigError(f"algorithm must be 'sha256' or 'crc64', got {value!r}")
+
+    def __attrs_post_init__(self) -> None:
+        ns = _as_bytes(self.namespace)
+        seed = _sha256(_SEED_TAG + len(ns).to_bytes(8, "little") + ns).digest()
+        object.__setattr__(self, "_seed", seed)
+
+    def num_blocks(self, num_tokens: int) -> int:
+        """How many hashes `hash_tokens` returns for a prompt of ``num_tokens`` tokens."""
+        full, rest = divmod(num_tokens, self.block_size)
+        return full + (1 if rest and self.include_partial else 0)
+
+    def hash_tokens(self, token_ids: Sequence[int]) -> tuple[BlockHash, ...]:
+        """Chained hashes of ``token_ids``' blocks, block 0 first."""
+        data = _token_bytes(token_ids)
+        step = self.block_size * _TOKEN_BYTES
+        end = len(data) if self.include_partial else len(data) - len(data) % step
+        if self.algorithm == "sha256":
+            out_b: list[bytes] = []
+            append = out_b.append
+            parent = self._seed
+            for i in range(0, end, step):
+                parent = _sha256(parent + data[i : i + step]).digest()
+                append(parent)
+            return tuple(out_b)
+        out_i: list[int] = []
+        append_i = out_i.append
+        lo = int.from_bytes(self._seed[:4], "little")
+        hi = int.from_bytes(self._seed[4:8], "little")
+        for i in range(0, end, step):
+            chunk = data[i : i + step]
+            lo = _crc32(chunk, lo ^ hi)
+            hi = _crc32(chunk, hi ^ 0x9E3779B9 ^ lo)
+            append_i((hi << 32) | lo)
+        return tuple(out_i)
