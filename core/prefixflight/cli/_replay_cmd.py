@@ -34,19 +34,34 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument("trace", metavar="TRACE")
     p.add_argument("--policy", type=_policy, default=None, help="s3fifo (default) or lru")
-    p.add_argument("--capacity-blocks", type=int, default=None, metavar="N",
-                   help="cache capacity in blocks (required, here or in --config)")
+    p.add_argument(
+        "--capacity-blocks",
+        type=int,
+        default=None,
+        metavar="N",
+        help="cache capacity in blocks (required, here or in --config)",
+    )
     p.add_argument("--block-size", type=int, default=None, metavar="B", help="default 512")
     p.add_argument("--small-ratio", type=float, default=None, help="S3FIFO small queue (0.1)")
     p.add_argument("--max-freq", type=int, default=None, help="S3FIFO freq cap (3)")
-    p.add_argument("--ghost-admit-freq", type=int, default=None,
-                   help="freq of a ghost hit admitted to main (0)")
-    p.add_argument("--config", metavar="FILE",
-                   help="JSON object with policy, cache_capacity_blocks, block_size, "
-                        "small_ratio, max_freq; flags override it")
+    p.add_argument(
+        "--ghost-admit-freq",
+        type=int,
+        default=None,
+        help="freq of a ghost hit admitted to main (0)",
+    )
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help="JSON object with policy, cache_capacity_blocks, block_size, "
+        "small_ratio, max_freq; flags override it",
+    )
     p.add_argument("--per-request", action="store_true", help="add the per-request list")
-    p.add_argument("--skip-invalid", action="store_true",
-                   help="skip bad lines and report skipped_lines instead of failing")
+    p.add_argument(
+        "--skip-invalid",
+        action="store_true",
+        help="skip bad lines and report skipped_lines instead of failing",
+    )
     p.add_argument("-o", "--output", metavar="FILE", help="write the JSON here (default stdout)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run, parser=p)

@@ -65,9 +65,7 @@ def parse_trace_line(text: str | bytes, *, source: str = "<trace>", line: int = 
     out = obj.get("output_length")
     if out is not None:
         if not _is_int(out):
-            raise TraceFormatError(
-                source, line, "output_length", f"expected an int, got {out!r}"
-            )
+            raise TraceFormatError(source, line, "output_length", f"expected an int, got {out!r}")
         if out < 0:
             raise TraceFormatError(source, line, "output_length", f"must be >= 0, got {out}")
     return TraceRecord(input_length=n, hash_ids=tuple(ids), timestamp=ts, output_length=out)

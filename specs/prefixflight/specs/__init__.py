@@ -1,0 +1,25 @@
+"""prefixflight's executable specification: reference models, strategies, state machines.
+
+Needs the ``specs`` extra (Hypothesis). Point the machines at your own implementation::
+
+    run_state_machine_as_test(S3FIFOConformance.for_factory(MyS3FIFO))
+"""
+
+from ._machines import LRUConformance, PolicyConformance, S3FIFOConformance
+from ._reference import ReferenceLRU, ReferenceReplay, ReferenceS3FIFO, reference_replay
+from ._strategies import policy_configs, s3fifo_configs, small_ratios, trace_records, traces
+
+__all__ = [
+    "LRUConformance",
+    "PolicyConformance",
+    "ReferenceLRU",
+    "ReferenceReplay",
+    "ReferenceS3FIFO",
+    "S3FIFOConformance",
+    "policy_configs",
+    "reference_replay",
+    "s3fifo_configs",
+    "small_ratios",
+    "trace_records",
+    "traces",
+]

@@ -1,0 +1,369 @@
+"""Reference models: literal readings of seed 002, slow and obviously right.
+
+They exist to be compared against. Each step reads like the seed's pseudo-code
+(``admit_to_S``, ``admit_to_M``, ``insert_to_G``), plus the edge cases DESIGN.md pins and the
+pinning rules documented on `prefixflight.core.S3FIFO` and `prefixflight.core.LRU`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import Counter, deque
+from collections.abc import Iterable, Sequence
+
+from prefixflight.core import BlockHash, CapacityError, TraceRecord, UsageError
+
+__all__ = ["ReferenceLRU", "ReferenceReplay", "ReferenceS3FIFO", "reference_replay"]
+
+
+class ReferenceS3FIFO:
+    """S3FIFO exactly as seed 002 writes it: three FIFO queues and a saturating freq."""
+
+    def __init__(
+        self,
+        capacity: int,
+        small_ratio: float = 0.1,
+        max_freq: int = 3,
+        ghost_admit_freq: int = 0,
+    ) -> None:
+        self.capacity = capacity
+        self.max_freq = max_freq
+        self.ghost_admit_freq = ghost_admit_freq
+        self.small_cap = round(capacity * small_ratio)  # banker's rounding
+        self.main_cap = capacity - self.small_cap
+        self.ghost_cap = self.main_cap  # ghost is as large as main, not small
+        self.S: deque[BlockHash] = deque()  # head = left, tail = right
+        self.M: deque[BlockHash] = deque()
+        self.G: dict[BlockHash, None] = {}  # an ordered set: first key = head
+        self.freq: dict[BlockHash, int] = {}
+        self.pins: Counter[BlockHash] = Counter()
+
+    # residency ------------------------------------------------------------------------
+    def is_resident(self, h: BlockHash) -> bool:
+        return h in self.freq  # h in S or M; ghost entries are not resident
+
+    def __contains__(self, h: object) -> bool:
+        return h in self.freq
+
+    def __len__(self) -> int:
+        return len(self.S) + len(self.M)  # final_cache_blocks = |S| + |M|, never |G|
+
+    def resident(self) -> frozenset[BlockHash]:
+        return frozenset(self.S) | frozenset(self.M)
+
+    def small_queue(self) -> tuple[tuple[BlockHash, int], ...]:
+        return tuple((h, self.freq[h]) for h in self.S)
+
+    def main_queue(self) -> tuple[tuple[BlockHash, int], ...]:
+        return tuple((h, self.freq[h]) for h in self.M)
+
+    def ghost_queue(self) -> tuple[BlockHash, ...]:
+        return tuple(self.G)
+
+    def resident_prefix(self, blocks: Sequence[BlockHash]) -> int:
+        k = 0
+        while k < len(blocks) and self.is_resident(blocks[k]):
+            k += 1
+        return k
+
+    # the access rule --------------------------------------------------------------------
+    def access(self, blocks: Iterable[BlockHash]) -> list[BlockHash]:
+        evicted: list[BlockHash] = []
+        for applied, h in enumerate(blocks):
+            try:
+                evicted += self.access_one(h)
+            except CapacityError as exc:
+                exc.applied = applied
+                raise
+        return evicted
+
+    def access_one(self, h: BlockHash) -> list[BlockHash]:
+        evicted: list[BlockHash] = []
+        if self.is_resident(h):  # in S or in M: the same rule
+            self.freq[h] = min(self.freq[h] + 1, self.max_freq)  # saturating
+        elif h in self.G and self._main_can_take():
+            del self.G[h]
+            self.admit_to_M(h, self.ghost_admit_freq, evicted)
+        else:
+            self.admit_new(h, evicted)
+        return evicted
+
+    def _main_can_take(self) -> bool:
+        return (
+            len(self.M) < self.main_cap or not self.pins or any(v not in self.pins for v in self.M)
+        )
+
+    def admit_new(self, h: BlockHash, evicted: list[BlockHash]) -> None:
+        if self.small_cap == 0:  # DESIGN.md: straight to main with freq 0
+            if self.main_cap == 0:  # capacity 0: nothing is resident
+                return
+            if not self._main_can_take():
+                raise CapacityError(f"cannot admit {h!r}")
+            self.G.pop(h, None)
+            self.admit_to_M(h, 0, evicted)
+            return
+        if len(self.S) >= self.small_cap:
+            head = self.S[0]
+            to_main = self.freq[head] >= 1 or head in self.pins
+            if to_main and (
+                (self.main_cap == 0 and head in self.pins)
+                or (self.main_cap > 0 and not self._main_can_take())
+            ):
+                raise CapacityError(f"cannot admit {h!r}")
+        self.G.pop(h, None)
+        self.admit_to_S(h, evicted)
+
+    def admit_to_S(self, h: BlockHash, evicted: list[BlockHash]) -> None:
+        while len(self.S) >= self.small_cap:
+            victim = self.S.popleft()
+            vf = self.freq[victim]
+            if vf >= 1 or victim in self.pins:  # warm (or pinned): promote, freq preserved
+                if self.main_cap > 0:
+                    self.admit_to_M(victim, vf, evicted)
+                else:  # main of size 0: nothing enters main and nothing is ghosted
+                    del self.freq[victim]
+                    evicted.append(victim)
+            else:  # cold: to the ghost
+                del self.freq[victim]
+                self.insert_to_G(victim)
+                evicted.append(victim)
+        self.S.append(h)
+        self.freq[h] = 0
+
+    def admit_to_M(self, h: BlockHash, f: int, evicted: list[BlockHash]) -> None:
+        while len(self.M) >= self.main_cap:
+            victim = self.M[0]
+            vf = self.freq[victim]
+            if vf >= 1:  # second chance: requeue at the tail with freq - 1
+                self.M.popleft()
+                self.freq[victim] = vf - 1
+                self.M.append(victim)
+                continue
+            if victim in self.pins:  # pinned: requeue at the tail, never evicted
+                self.M.popleft()
+                self.M.append(victim)
+                continue
+            self.M.popleft()  # exactly one real eviction
+            del self.freq[victim]
+            self.insert_to_G(victim)
+            evicted.append(victim)
+            break
+        self.M.append(h)
+        self.freq[h] = f
+
+    def insert_to_G(self, h: BlockHash) -> None:
+        if self.ghost_cap == 0:
+            return
+        if h in self.G:
+            del self.G[h]
+        elif len(self.G) >= self.ghost_cap:
+            del self.G[next(iter(self.G))]
+        self.G[h] = None
+
+    # engine operations -------------------------------------------------------------------
+    def evict(self) -> BlockHash | None:
+        if all(h in self.pins for h in self.freq):
+            return None
+        for _ in range(len(self.S)):
+            if not self.S:
+                break
+            head = self.S[0]
+            pinned = head in self.pins
+            if self.freq[head] == 0 and not pinned:
+                self.S.popleft()
+                del self.freq[head]
+                self.insert_to_G(head)
+                return head
+            if self.main_cap > 0 and self._main_can_take():
+                self.S.popleft()
+                out: list[BlockHash] = []
+                self.admit_to_M(head, self.freq[head], out)
+                if out:
+                    return out[0]
+            elif not pinned:
+                self.S.popleft()
+                del self.freq[head]
+                self.insert_to_G(head)
+                return head
+            else:
+                self.S.rotate(-1)
+        while True:
+            victim = self.M.popleft()
+            if self.freq[victim] >= 1:
+                self.freq[victim] -= 1
+                self.M.append(victim)
+            elif victim in self.pins:
+                self.M.append(victim)
+            else:
+                del self.freq[victim]
+                self.insert_to_G(victim)
+                return victim
+
+    def remove(self, h: BlockHash) -> None:
+        if h not in self.freq:
+            raise UsageError(f"{h!r} is not resident")
+        if h in self.pins:
+            raise UsageError(f"{h!r} is pinned")
+        (self.S if h in self.S else self.M).remove(h)
+        del self.freq[h]
+
+    def pin(self, h: BlockHash) -> None:
+        if h not in self.freq:
+            raise UsageError(f"{h!r} is not resident")
+        self.pins[h] += 1
+
+    def unpin(self, h: BlockHash) -> None:
+        if self.pins[h] == 0:
+            raise UsageError(f"{h!r} is not pinned")
+        self.pins[h] -= 1
+        if self.pins[h] == 0:
+            del self.pins[h]
+
+    def pin_count(self, h: BlockHash) -> int:
+        return self.pins.get(h, 0)
+
+
+class ReferenceLRU:
+    """LRU by timestamps: the victim is the unpinned resident block used longest ago.
+
+    A pinned block found at the LRU end counts as just used (it is in use).
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.last_use: dict[BlockHash, int] = {}
+        self.pins: Counter[BlockHash] = Counter()
+        self._clock = itertools.count()
+        self._heap: list[tuple[int, int, BlockHash]] = []  # (tick, tiebreak, block), lazy
+
+    def __contains__(self, h: object) -> bool:
+        return h in self.last_use
+
+    def __len__(self) -> int:
+        return len(self.last_use)
+
+    def resident(self) -> frozenset[BlockHash]:
+        return frozenset(self.last_use)
+
+    def order(self) -> tuple[BlockHash, ...]:
+        return tuple(sorted(self.last_use, key=self.last_use.__getitem__))
+
+    def resident_prefix(self, blocks: Sequence[BlockHash]) -> int:
+        k = 0
+        while k < len(blocks) and blocks[k] in self.last_use:
+            k += 1
+        return k
+
+    def _touch(self, h: BlockHash) -> None:
+        tick = next(self._clock)
+        self.last_use[h] = tick
+        heapq.heappush(self._heap, (tick, tick, h))
+
+    def _lru_victim(self) -> BlockHash:
+        while True:
+            tick, _, h = heapq.heappop(self._heap)
+            if self.last_use.get(h) != tick:
+                continue  # stale entry
+            if h in self.pins:
+                self._touch(h)
+                continue
+            return h
+
+    def access(self, blocks: Iterable[BlockHash]) -> list[BlockHash]:
+        evicted: list[BlockHash] = []
+        for applied, h in enumerate(blocks):
+            if h in self.last_use:
+                self._touch(h)
+                continue
+            if self.capacity == 0:
+                continue
+            if len(self.last_use) >= self.capacity:
+                if all(b in self.pins for b in self.last_use):
+                    raise CapacityError(f"cannot admit {h!r}", applied=applied)
+                victim = self._lru_victim()
+                del self.last_use[victim]
+                evicted.append(victim)
+            self._touch(h)
+        return evicted
+
+    def evict(self) -> BlockHash | None:
+        if all(b in self.pins for b in self.last_use):
+            return None
+        victim = self._lru_victim()
+        del self.last_use[victim]
+        return victim
+
+    def remove(self, h: BlockHash) -> None:
+        if h not in self.last_use:
+            raise UsageError(f"{h!r} is not resident")
+        if h in self.pins:
+            raise UsageError(f"{h!r} is pinned")
+        del self.last_use[h]
+
+    def pin(self, h: BlockHash) -> None:
+        if h not in self.last_use:
+            raise UsageError(f"{h!r} is not resident")
+        self.pins[h] += 1
+
+    def unpin(self, h: BlockHash) -> None:
+        if self.pins[h] == 0:
+            raise UsageError(f"{h!r} is not pinned")
+        self.pins[h] -= 1
+        if self.pins[h] == 0:
+            del self.pins[h]
+
+    def pin_count(self, h: BlockHash) -> int:
+        return self.pins.get(h, 0)
+
+
+class ReferenceReplay:
+    """Seed 002's replay loop, literally: scan the prefix, clamp, access every block."""
+
+    def __init__(self, policy: ReferenceS3FIFO | ReferenceLRU, block_size: int) -> None:
+        self.policy = policy
+        self.block_size = block_size
+        self.per_request: list[tuple[int, int]] = []  # (prompt_tokens, hit_tokens)
+
+    def request(self, hash_ids: Sequence[BlockHash], input_length: int) -> int:
+        k = 0
+        while k < len(hash_ids) and self.policy.resident_prefix(hash_ids[k : k + 1]) == 1:
+            k += 1  # stop at the first miss: no skip-ahead, no set intersection
+        hit = min(k * self.block_size, input_length)  # always clamp
+        self.policy.access(hash_ids)  # every block, hit or miss, in order
+        self.per_request.append((input_length, hit))
+        return hit
+
+    @property
+    def total_prompt_tokens(self) -> int:
+        return sum(p for p, _ in self.per_request)
+
+    @property
+    def total_hit_tokens(self) -> int:
+        return sum(h for _, h in self.per_request)
+
+    @property
+    def final_cache_blocks(self) -> int:
+        return len(self.policy)
+
+
+def reference_replay(
+    records: Iterable[TraceRecord],
+    *,
+    policy: str = "s3fifo",
+    cache_capacity_blocks: int,
+    block_size: int = 512,
+    small_ratio: float = 0.1,
+    max_freq: int = 3,
+    ghost_admit_freq: int = 0,
+) -> ReferenceReplay:
+    """Replay with the reference models; compare its numbers with `prefixflight.core.replay`."""
+    model: ReferenceS3FIFO | ReferenceLRU
+    if policy.lower() == "lru":
+        model = ReferenceLRU(cache_capacity_blocks)
+    else:
+        model = ReferenceS3FIFO(cache_capacity_blocks, small_ratio, max_freq, ghost_admit_freq)
+    run = ReferenceReplay(model, block_size)
+    for rec in records:
+        run.request(rec.hash_ids, rec.input_length)
+    return run

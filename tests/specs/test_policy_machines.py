@@ -1,0 +1,65 @@
+"""Our policies against the reference models, step by step; and proof the machines bite."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import pytest
+from hypothesis import settings
+from hypothesis.errors import Flaky
+from hypothesis.stateful import run_state_machine_as_test
+
+from prefixflight.core import LRU, S3FIFO, BlockHash, EvictionPolicy
+from prefixflight.specs import LRUConformance, PolicyConformance, S3FIFOConformance
+
+TestS3FIFO = S3FIFOConformance.TestCase
+TestLRU = LRUConformance.TestCase
+
+
+class _MutantS3FIFO(S3FIFO):  # type: ignore[misc]
+    """S3FIFO with one seeded mistake: freq is reset on entry to M."""
+
+    __slots__ = ()
+
+    def _admit_main(self, b: BlockHash, f: int, evicted: list[BlockHash]) -> BlockHash | None:
+        return super()._admit_main(b, 0, evicted)
+
+
+class _MutantLRU:
+    """LRU that forgets to refresh recency on a hit (FIFO)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.inner = LRU(capacity)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __contains__(self, b: object) -> bool:
+        return b in self.inner
+
+    def access(self, blocks: Iterable[BlockHash]) -> list[BlockHash]:
+        out: list[BlockHash] = []
+        for b in blocks:
+            if b not in self.inner:
+                out += self.inner.access([b])
+        return out
+
+
+@pytest.mark.parametrize(
+    ("machine", "factory"),
+    [(S3FIFOConformance, _MutantS3FIFO), (LRUConformance, _MutantLRU)],
+    ids=["s3fifo-freq-reset", "lru-without-recency"],
+)
+def test_machine_catches_a_seeded_mistake(
+    machine: type[PolicyConformance], factory: Callable[..., EvictionPolicy]
+) -> None:
+    with pytest.raises((AssertionError, Flaky)):
+        run_state_machine_as_test(
+            machine.for_factory(factory),
+            settings=settings(
+                max_examples=300, stateful_step_count=30, deadline=None, report_multiple_bugs=False
+            ),
+        )
