@@ -17,7 +17,42 @@ from prefixflight.core import BlockHash, CapacityError, TraceRecord, UsageError
 __all__ = ["ReferenceLRU", "ReferenceReplay", "ReferenceS3FIFO", "reference_replay"]
 
 
-class ReferenceS3FIFO:
+class _Pinning:
+    """Pins and explicit removal, the same for both models: nestable pin counts; only
+    resident blocks can be pinned, only unpinned ones removed."""
+
+    pins: Counter[BlockHash]
+
+    def __contains__(self, h: object) -> bool:
+        raise NotImplementedError
+
+    def _drop(self, h: BlockHash) -> None:
+        raise NotImplementedError
+
+    def remove(self, h: BlockHash) -> None:
+        if h not in self:
+            raise UsageError(f"{h!r} is not resident")
+        if h in self.pins:
+            raise UsageError(f"{h!r} is pinned")
+        self._drop(h)
+
+    def pin(self, h: BlockHash) -> None:
+        if h not in self:
+            raise UsageError(f"{h!r} is not resident")
+        self.pins[h] += 1
+
+    def unpin(self, h: BlockHash) -> None:
+        if self.pins[h] == 0:
+            raise UsageError(f"{h!r} is not pinned")
+        self.pins[h] -= 1
+        if self.pins[h] == 0:
+            del self.pins[h]
+
+    def pin_count(self, h: BlockHash) -> int:
+        return self.pins.get(h, 0)
+
+
+class ReferenceS3FIFO(_Pinning):
     """S3FIFO exactly as seed 002 writes it: three FIFO queues and a saturating freq."""
 
     def __init__(
@@ -200,31 +235,12 @@ class ReferenceS3FIFO:
                 self.insert_to_G(victim)
                 return victim
 
-    def remove(self, h: BlockHash) -> None:
-        if h not in self.freq:
-            raise UsageError(f"{h!r} is not resident")
-        if h in self.pins:
-            raise UsageError(f"{h!r} is pinned")
+    def _drop(self, h: BlockHash) -> None:
         (self.S if h in self.S else self.M).remove(h)
         del self.freq[h]
 
-    def pin(self, h: BlockHash) -> None:
-        if h not in self.freq:
-            raise UsageError(f"{h!r} is not resident")
-        self.pins[h] += 1
 
-    def unpin(self, h: BlockHash) -> None:
-        if self.pins[h] == 0:
-            raise UsageError(f"{h!r} is not pinned")
-        self.pins[h] -= 1
-        if self.pins[h] == 0:
-            del self.pins[h]
-
-    def pin_count(self, h: BlockHash) -> int:
-        return self.pins.get(h, 0)
-
-
-class ReferenceLRU:
+class ReferenceLRU(_Pinning):
     """LRU by timestamps: the victim is the unpinned resident block used longest ago.
 
     A pinned block found at the LRU end counts as just used (it is in use).
@@ -294,27 +310,8 @@ class ReferenceLRU:
         del self.last_use[victim]
         return victim
 
-    def remove(self, h: BlockHash) -> None:
-        if h not in self.last_use:
-            raise UsageError(f"{h!r} is not resident")
-        if h in self.pins:
-            raise UsageError(f"{h!r} is pinned")
+    def _drop(self, h: BlockHash) -> None:
         del self.last_use[h]
-
-    def pin(self, h: BlockHash) -> None:
-        if h not in self.last_use:
-            raise UsageError(f"{h!r} is not resident")
-        self.pins[h] += 1
-
-    def unpin(self, h: BlockHash) -> None:
-        if self.pins[h] == 0:
-            raise UsageError(f"{h!r} is not pinned")
-        self.pins[h] -= 1
-        if self.pins[h] == 0:
-            del self.pins[h]
-
-    def pin_count(self, h: BlockHash) -> int:
-        return self.pins.get(h, 0)
 
 
 class ReferenceReplay:
