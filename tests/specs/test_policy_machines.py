@@ -10,7 +10,12 @@ from hypothesis.errors import Flaky
 from hypothesis.stateful import run_state_machine_as_test
 
 from prefixflight.core import LRU, S3FIFO, BlockHash, EvictionPolicy
-from prefixflight.specs import LRUConformance, PolicyConformance, S3FIFOConformance
+from prefixflight.specs import (
+    CacheConformance,
+    LRUConformance,
+    PolicyConformance,
+    S3FIFOConformance,
+)
 
 TestS3FIFO = S3FIFOConformance.TestCase
 TestLRU = LRUConformance.TestCase
@@ -63,3 +68,6 @@ def test_machine_catches_a_seeded_mistake(
                 max_examples=300, stateful_step_count=30, deadline=None, report_multiple_bugs=False
             ),
         )
+
+
+TestCache = CacheConformance.TestCase

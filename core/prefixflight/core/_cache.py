@@ -163,24 +163,26 @@ class PrefixCache:
     def access(self, blocks: Sequence[BlockHash], num_tokens: int) -> int:
         """Seed 002's request: scan the resident prefix, then access every block in order.
 
-        Returns the request's hit tokens and counts it in `stats`.
+        Returns the request's hit tokens and counts it in `stats`. If a block cannot be
+        admitted because everything is pinned, `CapacityError` is raised, the request is not
+        counted, and the blocks before it (``error.applied`` of them) stay accessed.
         """
         if num_tokens < 0:
             raise UsageError(f"num_tokens must be >= 0, got {num_tokens!r}")
         policy = self._policy
         k = policy.resident_prefix(blocks)
         hit = min(k * self._block_size, num_tokens)
-        self._requests += 1
-        self._prompt_tokens += num_tokens
-        self._hit_tokens += hit
-        self._blocks += len(blocks)
-        self._hit_blocks += k
         if self._sink is None:
             evicted = policy.access(blocks)
             if evicted:
                 self._forget(evicted)
         else:
             self._access_with_events(blocks, None)
+        self._requests += 1  # counted only once every block was accessed
+        self._prompt_tokens += num_tokens
+        self._hit_tokens += hit
+        self._blocks += len(blocks)
+        self._hit_blocks += k
         return hit
 
     # -- engine operations ---------------------------------------------------------------

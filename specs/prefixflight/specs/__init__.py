@@ -5,11 +5,13 @@ Needs the ``specs`` extra (Hypothesis). Point the machines at your own implement
     run_state_machine_as_test(S3FIFOConformance.for_factory(MyS3FIFO))
 """
 
+from ._cache_machine import CacheConformance
 from ._machines import LRUConformance, PolicyConformance, S3FIFOConformance
 from ._reference import ReferenceLRU, ReferenceReplay, ReferenceS3FIFO, reference_replay
 from ._strategies import policy_configs, s3fifo_configs, small_ratios, trace_records, traces
 
 __all__ = [
+    "CacheConformance",
     "LRUConformance",
     "PolicyConformance",
     "ReferenceLRU",
