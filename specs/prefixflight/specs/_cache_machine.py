@@ -122,7 +122,7 @@ class CacheConformance(RuleBasedStateMachine):
     @rule(data=st.data())
     def pin(self, data: st.DataObject) -> None:
         blocks = data.draw(
-            st.lists(st.sampled_from(sorted(self.model.policy.resident())), min_size=1, max_size=2)
+            st.lists(st.sampled_from(sorted(self.model.policy.resident(), key=repr)), min_size=1, max_size=2)
         )
         for b in blocks:
             self.model.policy.pin(b)
@@ -131,7 +131,7 @@ class CacheConformance(RuleBasedStateMachine):
     @precondition(lambda self: bool(self.model.policy.pins))
     @rule(data=st.data())
     def unpin(self, data: st.DataObject) -> None:
-        block = data.draw(st.sampled_from(sorted(self.model.policy.pins)))
+        block = data.draw(st.sampled_from(sorted(self.model.policy.pins, key=repr)))
         self.model.policy.unpin(block)
         self.cache.unpin([block])
 
