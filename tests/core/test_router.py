@@ -6,7 +6,6 @@ from collections import Counter
 from collections.abc import Sequence
 
 import pytest
-
 from prefixflight.core import (
     BlockHash,
     BurstConfig,
@@ -299,7 +298,9 @@ def test_window_seals_at_deadline_and_a_second_window_opens_after() -> None:
     assert r.deadline is None and r.pending == ()
     assert r.arrive(req(3), 0.2) == ()
     assert r.deadline == pytest.approx(0.3)
-    (only,) = r.tick(r.deadline)
+    deadline = r.deadline
+    assert deadline is not None
+    (only,) = r.tick(deadline)
     assert isinstance(only, NoAffinity) and only.request_id == 3
     r.check_invariants()
 
