@@ -36,7 +36,7 @@ def test_every_request_gets_exactly_one_outcome(
     out = assign_batch(batch, replicas, config)
     assert [a.request_id for a in out] == [r.request_id for r in batch]
     names = {r.name for r in replicas}
-    for a, r in zip(out, batch):
+    for a, r in zip(out, batch, strict=True):
         assert isinstance(a, (Placed, NoAffinity))
         if isinstance(a, Placed):
             assert a.replica in names

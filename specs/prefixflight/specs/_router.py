@@ -51,7 +51,7 @@ __all__ = [
 
 def _common_prefix(a: Sequence[BlockHash], b: Sequence[BlockHash]) -> int:
     n = 0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):
         if x != y:
             break
         n += 1
@@ -117,20 +117,16 @@ def reference_assign(
         left = list(members)
         first = True
         while left:
-            def has_room(name: str) -> bool:
-                return k == -1 or on[name] < k
-
+            has_room = [n for n in load if k == -1 or on[n] < k]
             target = None
             if first and m > 0:
                 preferred = [
-                    n for n in load
-                    if has_room(n) and load[n] < fair_share and match[n] >= m
+                    n for n in has_room if load[n] < fair_share and match[n] >= m
                 ]
                 if preferred:
                     target = min(preferred, key=lambda n: (-match[n], *rank(n)))
             if target is None:
-                with_room = [n for n in load if has_room(n)]
-                target = min(with_room or list(load), key=rank)
+                target = min(has_room or list(load), key=rank)
             first = False
             run = len(left) if k == -1 else min(len(left), max(1, k - on[target]))
             for rid in left[:run]:
@@ -325,7 +321,9 @@ class BurstRouterConformance(RuleBasedStateMachine):
             except UsageError:
                 assert (self.impl.pending, self.impl.deadline) == before, "state changed"
                 return None
-            raise AssertionError(f"implementation rejected what the model accepts: {exc}")
+            raise AssertionError(
+                f"implementation rejected what the model accepts: {exc}"
+            ) from None
         want = call(self.model)
         assert got == want, f"implementation {got!r} != model {want!r}"
         for a in got or ():
