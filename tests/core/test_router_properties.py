@@ -52,9 +52,9 @@ def test_identical_groups_are_placed_and_never_split_when_unlimited(
     config = attrs.evolve(config, max_per_replica=-1)
     out = {a.request_id: a for a in assign_batch(batch, replicas, config)}
     for ids in identical_groups(batch, config.max_prefix_blocks):
-        where = {out[i].replica for i in ids if isinstance(out[i], Placed)}
-        assert all(isinstance(out[i], Placed) for i in ids)
-        assert len(where) == 1
+        placed = [a for i in ids if isinstance(a := out[i], Placed)]
+        assert len(placed) == len(ids)
+        assert len({a.replica for a in placed}) == 1
 
 
 @given(

@@ -4,9 +4,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import attrs
 from hypothesis import Phase, given, settings
 from hypothesis.stateful import run_state_machine_as_test
-from prefixflight.core import BurstConfig, BurstRouter, ReplicaLoad, RouteRequest, assign_batch
+from prefixflight.core import (
+    Assignment,
+    BurstConfig,
+    BurstRouter,
+    ReplicaLoad,
+    RequestId,
+    RouteRequest,
+    assign_batch,
+)
 from prefixflight.specs import (
     BurstRouterConformance,
     burst_configs,
@@ -35,12 +44,27 @@ def test_the_machine_catches_a_wrong_router() -> None:
 
     class NoEarlySeal:
         def __init__(self, config: BurstConfig, replicas: Sequence[ReplicaLoad]) -> None:
-            import attrs
-
             self.inner = BurstRouter(attrs.evolve(config, max_batch_size=-1), replicas)
 
-        def __getattr__(self, name: str) -> object:
-            return getattr(self.inner, name)
+        @property
+        def pending(self) -> tuple[RequestId, ...]:
+            return self.inner.pending
+
+        @property
+        def deadline(self) -> float | None:
+            return self.inner.deadline
+
+        def arrive(self, request: RouteRequest, now: float) -> tuple[Assignment, ...]:
+            return self.inner.arrive(request, now)
+
+        def tick(self, now: float) -> tuple[Assignment, ...]:
+            return self.inner.tick(now)
+
+        def cancel(self, request_id: RequestId) -> None:
+            self.inner.cancel(request_id)
+
+        def update_replicas(self, replicas: Sequence[ReplicaLoad]) -> None:
+            self.inner.update_replicas(replicas)
 
     try:
         run_state_machine_as_test(
