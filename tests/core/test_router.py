@@ -58,7 +58,7 @@ def counts(result: dict[int, str | None]) -> Counter[str | None]:
     return Counter(result.values())
 
 
-# -- the sixteen scenarios ------------------------------------------------------------------
+# -- the sixteen scenarios --------------------------------------------------------------------
 
 
 def test_unlimited_group_colocates_whole() -> None:
@@ -196,7 +196,7 @@ def test_overflow_guard_balances_beyond_the_cap() -> None:
     assert sorted(counts(r).values()) == [4, 4]
 
 
-# -- prefix-match info, ties, tokens ---------------------------------------------------------
+# -- prefix-match info, ties, tokens ----------------------------------------------------------
 
 
 def test_placed_carries_full_match_on_its_replica_only() -> None:
@@ -234,7 +234,7 @@ def test_router_hashes_prompts_with_the_partial_block() -> None:
     assert router.request("b", [1, 2, 3, 4, 5]).blocks[0] != short.blocks[0]
 
 
-# -- config validation -------------------------------------------------------------------------
+# -- config validation ------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -275,7 +275,7 @@ def test_router_needs_unique_replicas() -> None:
         BurstRouter(BurstConfig(), [ReplicaLoad(name="x"), ReplicaLoad(name="x")])
 
 
-# -- window lifecycle ----------------------------------------------------------------------------
+# -- window lifecycle -------------------------------------------------------------------------
 
 
 def req(rid: int | str, blocks: Sequence[BlockHash] = (1, 2)) -> RouteRequest:

@@ -139,7 +139,7 @@ class NoAffinity:
 Assignment: TypeAlias = Placed | NoAffinity
 
 
-# -- the assignment ----------------------------------------------------------------------
+# -- the assignment ---------------------------------------------------------------------------
 
 
 @final
@@ -271,7 +271,7 @@ def assign_batch(
     )
 
 
-# -- the window ----------------------------------------------------------------------------
+# -- the window -------------------------------------------------------------------------------
 
 
 @final
@@ -306,7 +306,7 @@ class BurstRouter:
         self._deadline: float | None = None
         self._now = float("-inf")
 
-    # -- views -------------------------------------------------------------------------------
+    # -- views --------------------------------------------------------------------------------
     @property
     def config(self) -> BurstConfig:
         return self._config
@@ -340,7 +340,7 @@ class BurstRouter:
             request_id=request_id, blocks=self.hash_prompt(token_ids), num_tokens=len(token_ids)
         )
 
-    # -- events ------------------------------------------------------------------------------
+    # -- events -------------------------------------------------------------------------------
     def update_replicas(self, replicas: Sequence[ReplicaLoad]) -> None:
         """Replace the candidate replicas and their loads (used when a batch seals)."""
         self._replicas = check_replicas(replicas)
@@ -393,7 +393,7 @@ class BurstRouter:
         limit = self._config.max_batch_size
         assert limit == UNLIMITED or len(self._pending) < limit, "a full batch was not sealed"
 
-    # -- internals ---------------------------------------------------------------------------
+    # -- internals ----------------------------------------------------------------------------
     def _seal(self) -> tuple[Assignment, ...]:
         batch = tuple(self._pending.values())
         self._pending = {}

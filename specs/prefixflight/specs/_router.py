@@ -46,7 +46,7 @@ __all__ = [
 ]
 
 
-# -- the reference assignment ------------------------------------------------------------------
+# -- the reference assignment -----------------------------------------------------------------
 
 
 def _common_prefix(a: Sequence[BlockHash], b: Sequence[BlockHash]) -> int:
@@ -152,7 +152,7 @@ def reference_assign(
     return tuple(out)
 
 
-# -- the reference window ------------------------------------------------------------------------
+# -- the reference window ---------------------------------------------------------------------
 
 
 class ReferenceWindow:
@@ -216,7 +216,7 @@ class ReferenceWindow:
         self.replicas = list(replicas)
 
 
-# -- strategies --------------------------------------------------------------------------------
+# -- strategies -------------------------------------------------------------------------------
 
 
 class WindowedRouter(Protocol):
@@ -282,7 +282,7 @@ def route_batches(draw: st.DrawFn, max_size: int = 12) -> list[RouteRequest]:
     ]
 
 
-# -- the conformance machine ---------------------------------------------------------------------
+# -- the conformance machine ------------------------------------------------------------------
 
 
 class BurstRouterConformance(RuleBasedStateMachine):
