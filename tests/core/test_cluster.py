@@ -259,3 +259,12 @@ def test_burst_adapter_routes_no_affinity_requests_through_the_fallback() -> Non
     assert fallback.indexed_prefix(out[0].replica, (1, 2, 3)) == 3
     assert fallback.indexed_prefix(out[2].replica, (7,)) == 1
     assert router.next_deadline() is None
+
+
+def test_burst_adapter_rejects_an_id_that_is_still_waiting() -> None:
+    router = BurstAffinityRouter(BurstRouter(BurstConfig(), names()), ApproxPrefixRouter())
+    router.route(rr(1), 0.0, names())
+    with pytest.raises(UsageError, match="already waiting"):
+        router.route(rr(1), 0.5, names())  # even past the deadline: it has not been answered
+    assert [d.request_id for d in router.tick(0.5, names())] == [1]
+    assert router.route(rr(1), 0.6, names()) == ()  # answered: the id may be reused

@@ -189,7 +189,8 @@ class ApproxPrefixRouter:
 class BurstAffinityRouter:
     """`BurstRouter` behind the `Router` protocol, with a fallback for requests it leaves.
 
-    Every request waits for its window. When the batch seals, a `Placed` request goes to its
+    Every request waits for its window (its id may not arrive again while it waits). When
+    the batch seals, a `Placed` request goes to its
     replica (and the fallback learns of it through `Router.record`); a `NoAffinity` request is
     routed by the fallback. Decisions of one seal see each other: the replica chosen for one
     counts as one more waiting request for the next.
@@ -210,7 +211,7 @@ class BurstAffinityRouter:
         self, request: RouteRequest, now: float, replicas: Sequence[ReplicaLoad]
     ) -> tuple[Routed, ...]:
         reps = check_replicas(replicas)
-        if request.request_id in self._held and request.request_id in self._burst.pending:
+        if request.request_id in self._held:
             raise UsageError(f"request {request.request_id!r} is already waiting")
         self._burst.update_replicas(reps)
         sealed = self._burst.arrive(request, now)
