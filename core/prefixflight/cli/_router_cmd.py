@@ -157,7 +157,9 @@ def _num(x: float | None, fmt: str) -> str:
     return "n/a" if x is None else format(x, fmt)
 
 
-def format_table(baseline: RouterReport, burst: RouterReport, group: str) -> str:
+def format_table(
+    baseline: RouterReport, burst: RouterReport, group: str, step: str = "step time"
+) -> str:
     """The side-by-side table, as the seed prints it."""
     rows = [
         (f"{group} fully co-located", _pct(baseline.groups_fully_colocated),
@@ -165,8 +167,8 @@ def format_table(baseline: RouterReport, burst: RouterReport, group: str) -> str
         ("mean distinct replicas per group",
          _num(baseline.mean_distinct_replicas, ".2f"), _num(burst.mean_distinct_replicas, ".2f")),
         ("prefix-cache hit rate", _pct(baseline.hit_rate), _pct(burst.hit_rate)),
-        ("mean step time (s)", f"{baseline.mean_step_time:.2f}", f"{burst.mean_step_time:.2f}"),
-        ("p95 step time (s)", f"{baseline.p95_step_time:.2f}", f"{burst.p95_step_time:.2f}"),
+        (f"mean {step} (s)", f"{baseline.mean_step_time:.2f}", f"{burst.mean_step_time:.2f}"),
+        (f"p95 {step} (s)", f"{baseline.p95_step_time:.2f}", f"{burst.p95_step_time:.2f}"),
     ]
     w0 = max(len(r[0]) for r in rows)
     w1 = max(len("baseline"), *(len(r[1]) for r in rows))
@@ -203,8 +205,10 @@ def run_router(args: argparse.Namespace) -> int:
     )
     base = simulate(workload, base_router, cluster, name=args.baseline)
     burst = simulate(workload, burst_router, cluster, name=f"burst+{args.baseline}")
-    group = "G-sample groups" if workload.description.get("kind") == "grpo" else "clone groups"
-    print(format_table(base, burst, group))
+    if workload.description.get("kind") == "grpo":
+        print(format_table(base, burst, "G-sample groups", "step time"))
+    else:  # a trace's "step" is one record and its clones
+        print(format_table(base, burst, "clone groups", "group latency"))
     if args.json:
         doc: dict[str, Any] = {
             "baseline": base.to_dict(),
