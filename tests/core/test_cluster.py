@@ -268,3 +268,24 @@ def test_burst_adapter_rejects_an_id_that_is_still_waiting() -> None:
         router.route(rr(1), 0.5, names())  # even past the deadline: it has not been answered
     assert [d.request_id for d in router.tick(0.5, names())] == [1]
     assert router.route(rr(1), 0.6, names()) == ()  # answered: the id may be reused
+
+
+def test_rejected_routing_calls_change_nothing() -> None:
+    fallback = ApproxPrefixRouter()
+    router = BurstAffinityRouter(BurstRouter(BurstConfig(), names(2)), fallback)
+    router.route(rr(1), 1.0, names(2))
+    burst_router = router.burst
+    before = (burst_router.pending, burst_router.deadline, burst_router.replicas, burst_router.now)
+    with pytest.raises(UsageError, match="backwards"):
+        router.route(rr(2), 0.5, names(4))
+    with pytest.raises(UsageError, match="backwards"):
+        router.tick(0.5, names(4))
+    with pytest.raises(UsageError, match="duplicate replica"):
+        router.route(rr(3), 1.5, [*names(2), names(1)[0]])
+    assert (burst_router.pending, burst_router.deadline, burst_router.replicas,
+            burst_router.now) == before
+    least = LeastLoadedRouter()
+    least.route(rr(1), 1.0, names())
+    with pytest.raises(UsageError, match="at least one replica"):
+        least.route(rr(2), 2.0, [])
+    least.route(rr(3), 1.0, names())  # the rejected call did not move its clock

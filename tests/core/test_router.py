@@ -196,6 +196,13 @@ def test_overflow_guard_balances_beyond_the_cap() -> None:
     assert sorted(counts(r).values()) == [4, 4]
 
 
+def test_overflow_guard_places_one_at_a_time() -> None:
+    b = Batch()
+    b.group(9, [1, 2, 3])
+    r = b.assign(3, max_per_replica=2)  # 6 fill the cap, 3 overflow one per replica
+    assert sorted(counts(r).values()) == [3, 3, 3]
+
+
 # -- prefix-match info, ties, tokens ----------------------------------------------------------
 
 

@@ -109,3 +109,22 @@ def test_assignment_is_deterministic_and_independent_of_replica_order(
     shuffled = list(replicas)
     random.Random(seed).shuffle(shuffled)
     assert assign_batch(batch, shuffled, config) == first
+
+
+@given(
+    size=st.integers(2, 40),
+    replicas=replica_loads(),
+    k=st.integers(1, 4),
+)
+def test_a_lone_group_beyond_k_per_replica_spreads_evenly(
+    size: int, replicas: list[ReplicaLoad], k: int
+) -> None:
+    batch = [RouteRequest(request_id=i, blocks=("p",), num_tokens=4) for i in range(size)]
+    out = assign_batch(batch, replicas, BurstConfig(max_per_replica=k))
+    per = Counter(a.replica for a in out if isinstance(a, Placed))
+    assert sum(per.values()) == size
+    if size >= k * len(replicas):  # every replica reaches k, then the guard keeps it even
+        spread = [per[r.name] for r in replicas]
+        assert min(spread) >= k and max(spread) - min(spread) <= 1
+    else:  # fill to k before spilling: at most one replica is partly filled
+        assert sum(1 for n in per.values() if n < k) <= 1

@@ -63,8 +63,9 @@ class LeastLoadedRouter:
     def route(
         self, request: RouteRequest, now: float, replicas: Sequence[ReplicaLoad]
     ) -> tuple[Routed, ...]:
-        self._now = check_now(now, self._now)
+        t = check_now(now, self._now)
         reps = check_replicas(replicas)
+        self._now = t
         least = min(r.running + r.waiting for r in reps)
         names = sorted(r.name for r in reps if r.running + r.waiting == least)
         return (Routed(request_id=request.request_id, replica=_pick(names, self._rng)),)
@@ -210,7 +211,10 @@ class BurstAffinityRouter:
     def route(
         self, request: RouteRequest, now: float, replicas: Sequence[ReplicaLoad]
     ) -> tuple[Routed, ...]:
+        check_now(now, self._burst.now)
         reps = check_replicas(replicas)
+        if not isinstance(request, RouteRequest):
+            raise UsageError(f"expected a RouteRequest, got {request!r}")
         if request.request_id in self._held:
             raise UsageError(f"request {request.request_id!r} is already waiting")
         self._burst.update_replicas(reps)
@@ -219,6 +223,7 @@ class BurstAffinityRouter:
         return self._resolve(sealed, now, reps)
 
     def tick(self, now: float, replicas: Sequence[ReplicaLoad]) -> tuple[Routed, ...]:
+        check_now(now, self._burst.now)
         reps = check_replicas(replicas)
         self._burst.update_replicas(reps)
         sealed = self._burst.tick(now)

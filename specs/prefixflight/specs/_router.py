@@ -302,10 +302,19 @@ class BurstRouterConformance(RuleBasedStateMachine):
         self.now = 0.0
         self.next_id = 0
         self.sealed: set[RequestId] = set()
+        self.prompts: list[tuple[Any, ...]] = []
 
-    @initialize(config=burst_configs(), replicas=replica_loads())
-    def start(self, config: BurstConfig, replicas: list[ReplicaLoad]) -> None:
+    @initialize(
+        config=burst_configs(),
+        replicas=replica_loads(),
+        prompts=st.lists(chained_blocks(), min_size=1, max_size=4),
+    )
+    def start(
+        self, config: BurstConfig, replicas: list[ReplicaLoad], prompts: list[tuple[Any, ...]]
+    ) -> None:
+        """Arrivals draw their prompts from a small pool, so groups and shared prefixes form."""
         note(f"config={config!r} replicas={replicas!r}")
+        self.prompts = prompts
         self.impl = type(self).factory(config, replicas)
         self.model = ReferenceWindow(config, replicas)
 
@@ -331,8 +340,9 @@ class BurstRouterConformance(RuleBasedStateMachine):
             self.sealed.add(a.request_id)
         return got
 
-    @rule(dt=st.sampled_from([0.0, 0.004, 0.02, 0.05, 0.1, 0.2]), blocks=chained_blocks())
-    def arrive(self, dt: float, blocks: tuple[Any, ...]) -> None:
+    @rule(dt=st.sampled_from([0.0, 0.004, 0.02, 0.05, 0.1, 0.2]), data=st.data())
+    def arrive(self, dt: float, data: st.DataObject) -> None:
+        blocks = data.draw(st.sampled_from(self.prompts))
         self.now += dt
         request = RouteRequest(request_id=self.next_id, blocks=blocks, num_tokens=4 * len(blocks))
         self.next_id += 1
