@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from prefixflight.cli._main import main
 
 SMALL = ["simulate", "router", "--steps", "2", "--prompts", "4", "--output-tokens", "4:16", "-q"]

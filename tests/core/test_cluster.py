@@ -6,6 +6,7 @@ import random
 
 import attrs
 import pytest
+
 from prefixflight.core import (
     ApproxPrefixConfig,
     ApproxPrefixRouter,

@@ -6,6 +6,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 import pytest
+
 from prefixflight.core import (
     BlockHash,
     BurstConfig,

@@ -8,6 +8,7 @@ from collections import Counter, defaultdict
 import attrs
 from hypothesis import given
 from hypothesis import strategies as st
+
 from prefixflight.core import (
     BlockHash,
     BurstConfig,

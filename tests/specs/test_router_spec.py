@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import attrs
 from hypothesis import Phase, given, settings
 from hypothesis.stateful import run_state_machine_as_test
+
 from prefixflight.core import (
     Assignment,
     BurstConfig,
@@ -26,10 +27,7 @@ from prefixflight.specs import (
 
 
 def test_burst_router_conforms_to_the_window_model() -> None:
-    run_state_machine_as_test(
-        BurstRouterConformance.for_factory(BurstRouter),
-        settings=settings(stateful_step_count=25),
-    )
+    run_state_machine_as_test(BurstRouterConformance.for_factory(BurstRouter))
 
 
 @given(batch=route_batches(), replicas=replica_loads(), config=burst_configs())

@@ -41,7 +41,7 @@ from ._router import (
     Placed,
     assign_batch,
 )
-from ._routing import ReplicaLoad, Routed, Router, RouteRequest
+from ._routing import ReplicaLoad, Rng, Routed, Router, RouteRequest
 from ._trace import TraceReader, TraceRecord, parse_trace_line
 
 __all__ = [
@@ -79,6 +79,7 @@ __all__ = [
     "ReplicaLoad",
     "RequestId",
     "RequestResult",
+    "Rng",
     "RouteRequest",
     "Routed",
     "Router",

@@ -18,7 +18,6 @@ Randomness comes only from the ``random.Random`` passed in; without one, ties br
 
 from __future__ import annotations
 
-import random
 from collections import deque
 from collections.abc import Sequence
 from typing import final
@@ -32,6 +31,7 @@ from ._policies import LRU
 from ._router import BurstRouter, NoAffinity, Placed
 from ._routing import (
     ReplicaLoad,
+    Rng,
     Routed,
     Router,
     RouteRequest,
@@ -43,7 +43,7 @@ from ._routing import (
 __all__ = ["ApproxPrefixConfig", "ApproxPrefixRouter", "BurstAffinityRouter", "LeastLoadedRouter"]
 
 
-def _pick(candidates: list[str], rng: random.Random | None) -> str:
+def _pick(candidates: list[str], rng: Rng | None) -> str:
     """One of ``candidates`` (sorted by name): at random with ``rng``, else the first."""
     if rng is None or len(candidates) == 1:
         return candidates[0]
@@ -56,7 +56,7 @@ class LeastLoadedRouter:
 
     __slots__ = ("_now", "_rng")
 
-    def __init__(self, rng: random.Random | None = None) -> None:
+    def __init__(self, rng: Rng | None = None) -> None:
         self._rng = rng
         self._now = float("-inf")
 
@@ -110,7 +110,7 @@ class ApproxPrefixRouter:
     __slots__ = ("_config", "_index", "_lagged", "_now", "_rng")
 
     def __init__(
-        self, config: ApproxPrefixConfig | None = None, rng: random.Random | None = None
+        self, config: ApproxPrefixConfig | None = None, rng: Rng | None = None
     ) -> None:
         self._config = ApproxPrefixConfig() if config is None else config
         self._rng = rng

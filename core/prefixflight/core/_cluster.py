@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import heapq
 import math
-import random
 from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Any, final
@@ -41,7 +40,7 @@ from ._errors import ConfigError, UsageError
 from ._hashing import BlockHash, BlockHasher
 from ._plan import RequestId
 from ._policies import LRU
-from ._routing import ReplicaLoad, Routed, Router, RouteRequest
+from ._routing import ReplicaLoad, Rng, Routed, Router, RouteRequest
 from ._trace import TraceRecord
 
 __all__ = [
@@ -136,12 +135,12 @@ class Workload:
     description: dict[str, Any] = attrs.field(factory=dict, eq=False)
 
 
-def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
+def _tokens(rng: Rng, n: int, vocab: int) -> list[int]:
     return [rng.randrange(vocab) for _ in range(n)]
 
 
 def grpo_workload(
-    rng: random.Random,
+    rng: Rng,
     *,
     steps: int = 40,
     prompts_per_step: int = 32,
@@ -220,7 +219,7 @@ def grpo_workload(
 
 def trace_workload(
     records: Iterable[TraceRecord],
-    rng: random.Random,
+    rng: Rng,
     *,
     clones: int = 1,
     jitter_s: float = 0.0,

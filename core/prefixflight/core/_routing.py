@@ -23,6 +23,7 @@ __all__ = [
     "RouteRequest",
     "Routed",
     "Router",
+    "Rng",
     "assert_never",
     "check_now",
     "check_replicas",
@@ -112,6 +113,19 @@ class Router(Protocol):
     def record(self, request: RouteRequest, replica: str, now: float) -> None:
         """Learn that ``request`` was sent to ``replica`` by someone else (a wrapper)."""
         ...
+
+
+class Rng(Protocol):
+    """The randomness a router or workload generator draws: ``random.Random`` fits.
+
+    The core never imports ``random``; pass a seeded ``random.Random(seed)`` in.
+    """
+
+    def randrange(self, stop: int, /) -> int: ...
+
+    def randint(self, a: int, b: int, /) -> int: ...
+
+    def uniform(self, a: float, b: float, /) -> float: ...
 
 
 def check_now(now: object, last: float) -> float:

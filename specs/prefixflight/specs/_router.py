@@ -21,6 +21,7 @@ from typing import Any, ClassVar, Protocol
 from hypothesis import note
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
 from prefixflight.core import (
     Assignment,
     BlockHash,
