@@ -8,13 +8,13 @@ from collections.abc import Callable, Sequence
 
 from prefixflight.core import PrefixflightError
 
-from . import _replay_cmd
+from . import _replay_cmd, _simulate_cmd
 
 __all__ = ["main"]
 
 Register = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], None]
 
-COMMANDS: tuple[Register, ...] = (_replay_cmd.register,)
+COMMANDS: tuple[Register, ...] = (_replay_cmd.register, _simulate_cmd.register)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -8,18 +8,36 @@ Needs the ``specs`` extra (Hypothesis). Point the machines at your own implement
 from ._cache_machine import CacheConformance
 from ._machines import LRUConformance, PolicyConformance, S3FIFOConformance
 from ._reference import ReferenceLRU, ReferenceReplay, ReferenceS3FIFO, reference_replay
+from ._router import (
+    BurstRouterConformance,
+    ReferenceWindow,
+    WindowedRouter,
+    burst_configs,
+    chained_blocks,
+    reference_assign,
+    replica_loads,
+    route_batches,
+)
 from ._strategies import policy_configs, s3fifo_configs, small_ratios, trace_records, traces
 
 __all__ = [
+    "BurstRouterConformance",
     "CacheConformance",
     "LRUConformance",
     "PolicyConformance",
     "ReferenceLRU",
     "ReferenceReplay",
     "ReferenceS3FIFO",
+    "ReferenceWindow",
     "S3FIFOConformance",
+    "WindowedRouter",
+    "burst_configs",
+    "chained_blocks",
     "policy_configs",
+    "reference_assign",
     "reference_replay",
+    "replica_loads",
+    "route_batches",
     "s3fifo_configs",
     "small_ratios",
     "trace_records",

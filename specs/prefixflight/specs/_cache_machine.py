@@ -122,7 +122,11 @@ class CacheConformance(RuleBasedStateMachine):
     @rule(data=st.data())
     def pin(self, data: st.DataObject) -> None:
         blocks = data.draw(
-            st.lists(st.sampled_from(sorted(self.model.policy.resident(), key=repr)), min_size=1, max_size=2)
+            st.lists(
+                st.sampled_from(sorted(self.model.policy.resident(), key=repr)),
+                min_size=1,
+                max_size=2,
+            )
         )
         for b in blocks:
             self.model.policy.pin(b)

@@ -1,0 +1,400 @@
+"""Burst prefix-affinity routing: co-locate prompt-sharing requests that arrive in one window.
+
+A port of llm-d's burst prefix-cache producer (seed 004) as a pure state machine. When a
+burst of requests sharing a prompt arrives at once, no replica's cache is warm yet, so a
+prefix-cache scorer sees zero everywhere and load balancing scatters the burst: the shared
+prefix is prefilled on every replica. `BurstRouter` instead collects the arrivals of one batch
+window and places them jointly, so requests sharing a prefix land together and the prefix is
+prefilled once.
+
+Grouping key. A request's key is its full chained block-hash sequence, capped at the match
+limit. **The trailing partial block is part of the key** (hash prompts with
+``BlockHasher(include_partial=True)``, as `BurstRouter.hash_prompt` does), as in llm-d: two
+prompts that differ only in their last few tokens are different prompts, not samples of one,
+and a prompt shorter than one block (GRPO prompts of 55-88 tokens with 64-token blocks) still
+gets a non-empty key instead of no affinity at all.
+
+The window is driven by explicit time: the first arrival opens it, ``now`` rides on every
+call, and an arrival or a `tick` at or past the deadline seals it. A full batch
+(``max_batch_size``) seals at once. Sealing returns one `Assignment` per request of the batch,
+in arrival order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal, TypeAlias, final
+
+import attrs
+
+from ._errors import ConfigError, UsageError
+from ._hashing import BlockHash, BlockHasher
+from ._plan import RequestId
+from ._routing import ReplicaLoad, RouteRequest, check_now, check_replicas
+
+__all__ = [
+    "Assignment",
+    "BalanceBy",
+    "BurstConfig",
+    "BurstRouter",
+    "NoAffinity",
+    "Placed",
+    "assign_batch",
+]
+
+BalanceBy: TypeAlias = Literal["requests", "tokens"]
+
+UNLIMITED = -1
+DEFAULT_MAX_PREFIX_BLOCKS = 2048
+"""llm-d's default cap on the blocks in a group key (``max_prefix_tokens_to_match=0``)."""
+
+
+def _int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an int, got {value!r}")
+    return value
+
+
+@attrs.frozen(kw_only=True)
+class BurstConfig:
+    """`BurstRouter`'s settings (llm-d's parameter names in snake case); validated here.
+
+    - ``window_ms``: batch window T, 1..10000 ms.
+    - ``max_per_replica``: k, the most members of one unit per replica; -1 puts a whole
+      group on one replica.
+    - ``block_size_tokens``: tokens per block of the hashes the router is given.
+    - ``max_prefix_tokens_to_match``: cap on the tokens in a key; 0 means 2048 blocks.
+    - ``min_colocate_blocks``: shared leading blocks that make different prompts co-locate
+      (and give a lone request an affinity); 0 co-locates identical groups only.
+    - ``max_batch_size``: a batch this full seals at once; -1 for no cap.
+    - ``balance_by``: ``"requests"`` or ``"tokens"`` (uncached prefix tokens).
+    """
+
+    window_ms: int = 100
+    max_per_replica: int = UNLIMITED
+    block_size_tokens: int = 64
+    max_prefix_tokens_to_match: int = 0
+    min_colocate_blocks: int = 0
+    max_batch_size: int = 1000
+    balance_by: BalanceBy = "requests"
+
+    def __attrs_post_init__(self) -> None:
+        w = _int("window_ms", self.window_ms)
+        if not 1 <= w <= 10_000:
+            raise ConfigError(f"window_ms must be in 1..10000, got {w!r}")
+        k = _int("max_per_replica", self.max_per_replica)
+        if k != UNLIMITED and k < 1:
+            raise ConfigError(f"max_per_replica must be -1 (unlimited) or >= 1, got {k!r}")
+        bs = _int("block_size_tokens", self.block_size_tokens)
+        if bs < 1:
+            raise ConfigError(f"block_size_tokens must be > 0, got {bs!r}")
+        cap = _int("max_prefix_tokens_to_match", self.max_prefix_tokens_to_match)
+        if cap != 0 and cap < bs:
+            raise ConfigError(
+                f"max_prefix_tokens_to_match must be 0 or >= block_size_tokens ({bs}), got {cap!r}"
+            )
+        m = _int("min_colocate_blocks", self.min_colocate_blocks)
+        if m < 0:
+            raise ConfigError(f"min_colocate_blocks must be >= 0, got {m!r}")
+        b = _int("max_batch_size", self.max_batch_size)
+        if b != UNLIMITED and b < 1:
+            raise ConfigError(f"max_batch_size must be -1 (unlimited) or >= 1, got {b!r}")
+        if self.balance_by not in ("requests", "tokens"):
+            raise ConfigError(f"balance_by must be 'requests' or 'tokens', got {self.balance_by!r}")
+
+    @property
+    def max_prefix_blocks(self) -> int:
+        """How many leading blocks form a key."""
+        if self.max_prefix_tokens_to_match == 0:
+            return DEFAULT_MAX_PREFIX_BLOCKS
+        return self.max_prefix_tokens_to_match // self.block_size_tokens
+
+    @property
+    def window_s(self) -> float:
+        return self.window_ms / 1000.0
+
+
+@attrs.frozen(kw_only=True)
+class Placed:
+    """Send ``request_id`` to ``replica``: its prefix (``matched_blocks`` blocks of its key)
+    fully matches there and nowhere else."""
+
+    request_id: RequestId
+    replica: str
+    matched_blocks: int
+
+    def match_blocks(self, replica: str) -> int:
+        """Prefix-match info for a scorer: the full key on the assigned replica, 0 elsewhere."""
+        return self.matched_blocks if replica == self.replica else 0
+
+
+@attrs.frozen(kw_only=True)
+class NoAffinity:
+    """No placement for ``request_id``: it shares nothing in its batch; other scorers decide."""
+
+    request_id: RequestId
+
+
+Assignment: TypeAlias = Placed | NoAffinity
+
+
+# -- the assignment ---------------------------------------------------------------------------
+
+
+@final
+class _Unit:
+    """Requests placed together: an identical group, or one prefix-sharing request."""
+
+    __slots__ = ("cost", "key", "members")
+
+    def __init__(self, key: tuple[BlockHash, ...], members: list[RequestId], cost: int) -> None:
+        self.key = key
+        self.members = members
+        self.cost = cost
+
+
+def assign_batch(
+    requests: Sequence[RouteRequest],
+    replicas: Sequence[ReplicaLoad],
+    config: BurstConfig,
+) -> tuple[Assignment, ...]:
+    """Place one sealed batch jointly; one `Assignment` per request, in the given order.
+
+    Pure and deterministic: the same requests and loads give the same assignment, whatever
+    the order of ``replicas`` (ties break on batch load, running requests, then name).
+    """
+    reps = check_replicas(replicas)
+    cap = config.max_prefix_blocks
+    k = config.max_per_replica
+    m = config.min_colocate_blocks
+    by_tokens = config.balance_by == "tokens"
+    bs = config.block_size_tokens
+
+    groups: dict[tuple[BlockHash, ...], list[RequestId]] = {}
+    seen: set[RequestId] = set()
+    for r in requests:
+        if r.request_id in seen:
+            raise UsageError(f"duplicate request id {r.request_id!r} in one batch")
+        seen.add(r.request_id)
+        key = r.blocks[:cap]
+        if key:
+            groups.setdefault(key, []).append(r.request_id)
+
+    # Which lone requests share >= m leading blocks with another request of the batch.
+    signature_count: dict[tuple[BlockHash, ...], int] = {}
+    if m > 0:
+        for key, members in groups.items():
+            if len(key) >= m:
+                sig = key[:m]
+                signature_count[sig] = signature_count.get(sig, 0) + len(members)
+    identical: list[_Unit] = []
+    sharing: list[_Unit] = []
+    for key, members in groups.items():
+        if len(members) >= 2:
+            identical.append(_Unit(key, members, len(key) * bs))
+        elif m > 0 and len(key) >= m and signature_count[key[:m]] >= 2:
+            sharing.append(_Unit(key, members, len(key) * bs))
+    # Longest prefix first within each tier (stable: first arrival first on ties).
+    identical.sort(key=lambda u: -len(u.key))
+    sharing.sort(key=lambda u: -len(u.key))
+
+    total = sum((u.cost if by_tokens else len(u.members)) for u in (*identical, *sharing))
+    fair_share = -(-total // len(reps))  # ceil(total / replicas)
+    running = {r.name: r.running for r in reps}
+    load = dict.fromkeys(running, 0)
+    ordered = sorted(running)  # by name: the last tie-break, and order-independence
+    holders: dict[BlockHash, set[str]] = {}
+    placed: dict[RequestId, Placed] = {}
+
+    def less(a: str, b: str) -> bool:
+        return (load[a], running[a], a) < (load[b], running[b], b)
+
+    for unit in (*identical, *sharing):
+        matches: dict[str, int] = {}
+        if m > 0 or by_tokens:  # longest run of this key's blocks already placed per replica
+            for h in unit.key:
+                who = holders.get(h)
+                if not who:
+                    break
+                for name in who:
+                    matches[name] = matches.get(name, 0) + 1
+        per_replica: dict[str, int] = {}
+        prefer_match = m > 0
+        members = unit.members
+        i = 0
+        while i < len(members):
+            target: str | None = None
+            if prefer_match:  # the primary replica: co-locate with a sharing unit in fair share
+                best_match = 0
+                for name in ordered:
+                    if k != UNLIMITED and per_replica.get(name, 0) >= k:
+                        continue
+                    if load[name] >= fair_share:
+                        continue
+                    mt = matches.get(name, 0)
+                    if mt < m:
+                        continue
+                    if (
+                        target is None
+                        or mt > best_match
+                        or (mt == best_match and less(name, target))
+                    ):
+                        target, best_match = name, mt
+                prefer_match = False
+            if target is None:  # least loaded with room under k, else least loaded overall
+                for name in ordered:
+                    if k != UNLIMITED and per_replica.get(name, 0) >= k:
+                        continue
+                    if target is None or less(name, target):
+                        target = name
+            if target is None:  # overflow guard: every replica holds k members of this unit
+                for name in ordered:
+                    if target is None or less(name, target):
+                        target = name
+            assert target is not None
+            run = len(members) - i
+            if k != UNLIMITED:
+                run = min(run, max(1, k - per_replica.get(target, 0)))
+            for rid in members[i : i + run]:
+                placed[rid] = Placed(request_id=rid, replica=target, matched_blocks=len(unit.key))
+            first_touch = per_replica.get(target, 0) == 0
+            per_replica[target] = per_replica.get(target, 0) + run
+            if not by_tokens:
+                load[target] += run
+            elif first_touch:  # the prefix is prefilled once per replica, minus what it holds
+                load[target] += max(0, unit.cost - matches.get(target, 0) * bs)
+            i += run
+        for h in unit.key:
+            holders.setdefault(h, set()).update(per_replica)
+
+    return tuple(placed.get(r.request_id) or NoAffinity(request_id=r.request_id) for r in requests)
+
+
+# -- the window -------------------------------------------------------------------------------
+
+
+@final
+class BurstRouter:
+    """Windowed joint placement of prompt-sharing requests across replicas (sans-I/O).
+
+    ``replicas`` are the candidate replicas with their loads; refresh them with
+    `update_replicas`. Time is ``now`` in seconds, never read from a clock, and may not go
+    backwards. A rejected call raises `UsageError` and changes nothing.
+    """
+
+    __slots__ = ("_config", "_deadline", "_hasher", "_now", "_pending", "_replicas")
+
+    def __init__(
+        self,
+        config: BurstConfig | None = None,
+        replicas: Sequence[ReplicaLoad] = (),
+        *,
+        namespace: str | bytes = b"",
+    ) -> None:
+        self._config = BurstConfig() if config is None else config
+        if not isinstance(self._config, BurstConfig):
+            raise ConfigError(f"config must be a BurstConfig, got {self._config!r}")
+        try:
+            self._replicas = check_replicas(replicas)
+        except UsageError as exc:
+            raise ConfigError(str(exc)) from None
+        self._hasher = BlockHasher(
+            block_size=self._config.block_size_tokens, namespace=namespace, include_partial=True
+        )
+        self._pending: dict[RequestId, RouteRequest] = {}
+        self._deadline: float | None = None
+        self._now = float("-inf")
+
+    # -- views --------------------------------------------------------------------------------
+    @property
+    def config(self) -> BurstConfig:
+        return self._config
+
+    @property
+    def replicas(self) -> tuple[ReplicaLoad, ...]:
+        return self._replicas
+
+    @property
+    def deadline(self) -> float | None:
+        """When the open window seals; ``None`` when no window is open."""
+        return self._deadline
+
+    @property
+    def pending(self) -> tuple[RequestId, ...]:
+        """Ids waiting in the open window, in arrival order."""
+        return tuple(self._pending)
+
+    @property
+    def now(self) -> float:
+        """The latest time seen (``-inf`` before any call)."""
+        return self._now
+
+    def hash_prompt(self, token_ids: Sequence[int]) -> tuple[BlockHash, ...]:
+        """The prompt's chained block hashes as this router keys them (partial block included)."""
+        return self._hasher.hash_tokens(token_ids)
+
+    def request(self, request_id: RequestId, token_ids: Sequence[int]) -> RouteRequest:
+        """A `RouteRequest` for a prompt given as token ids."""
+        return RouteRequest(
+            request_id=request_id, blocks=self.hash_prompt(token_ids), num_tokens=len(token_ids)
+        )
+
+    # -- events -------------------------------------------------------------------------------
+    def update_replicas(self, replicas: Sequence[ReplicaLoad]) -> None:
+        """Replace the candidate replicas and their loads (used when a batch seals)."""
+        self._replicas = check_replicas(replicas)
+
+    def arrive(self, request: RouteRequest, now: float) -> tuple[Assignment, ...]:
+        """Add a request to the window (opening one if none is open).
+
+        An arrival at or past the deadline first seals the open batch (returned) and opens a
+        new window; an arrival that fills the batch seals it, itself included.
+        """
+        t = check_now(now, self._now)
+        if not isinstance(request, RouteRequest):
+            raise UsageError(f"expected a RouteRequest, got {request!r}")
+        rid = request.request_id
+        sealed: tuple[Assignment, ...] = ()
+        late = self._deadline is not None and t >= self._deadline
+        if rid in self._pending and not late:
+            raise UsageError(f"request {rid!r} is already waiting in the window")
+        self._now = t
+        if late:
+            sealed = self._seal()
+        if self._deadline is None:
+            self._deadline = t + self._config.window_s
+        self._pending[rid] = request
+        limit = self._config.max_batch_size
+        if limit != UNLIMITED and len(self._pending) >= limit:
+            sealed += self._seal()
+        return sealed
+
+    def tick(self, now: float) -> tuple[Assignment, ...]:
+        """Time passed: seal the open batch if ``now`` is at or past its deadline."""
+        t = check_now(now, self._now)
+        self._now = t
+        if self._deadline is not None and t >= self._deadline:
+            return self._seal()
+        return ()
+
+    def cancel(self, request_id: RequestId) -> None:
+        """Drop a waiting request from the open batch; the window closes if it empties."""
+        if request_id not in self._pending:
+            raise UsageError(f"request {request_id!r} is not waiting in the window")
+        del self._pending[request_id]
+        if not self._pending:
+            self._deadline = None
+
+    def check_invariants(self) -> None:
+        assert (self._deadline is None) == (not self._pending), "window open iff requests wait"
+        if self._deadline is not None:
+            assert self._deadline <= self._now + self._config.window_s
+        limit = self._config.max_batch_size
+        assert limit == UNLIMITED or len(self._pending) < limit, "a full batch was not sealed"
+
+    # -- internals ----------------------------------------------------------------------------
+    def _seal(self) -> tuple[Assignment, ...]:
+        batch = tuple(self._pending.values())
+        self._pending = {}
+        self._deadline = None
+        return assign_batch(batch, self._replicas, self._config)

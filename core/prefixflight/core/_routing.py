@@ -1,0 +1,157 @@
+"""Values shared by every router: what a request looks like to a router, what a replica
+looks like, what a routing decision is, and the small `Router` protocol.
+
+A router sees a request as its chained block hashes (`BlockHasher` output, or a trace's
+``hash_ids``) plus its prompt length; it never sees tokens or text. Replicas are named by
+the host; their loads are inputs the host refreshes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import NoReturn, Protocol
+
+import attrs
+
+from ._errors import UsageError
+from ._hashing import BlockHash
+from ._plan import RequestId
+
+__all__ = [
+    "ReplicaLoad",
+    "RouteRequest",
+    "Routed",
+    "Router",
+    "Rng",
+    "assert_never",
+    "check_now",
+    "check_replicas",
+]
+
+
+def _check_count(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise UsageError(f"{name} must be an int >= 0, got {value!r}")
+
+
+def _blocks(value: Iterable[BlockHash]) -> tuple[BlockHash, ...]:
+    return tuple(value)
+
+
+@attrs.frozen(kw_only=True)
+class RouteRequest:
+    """A request as routers see it.
+
+    ``blocks`` are the prompt's chained block hashes, block 0 first (a prefix of hashes is a
+    prefix of tokens); ``num_tokens`` is the prompt length in tokens.
+    """
+
+    request_id: RequestId
+    blocks: tuple[BlockHash, ...] = attrs.field(converter=_blocks)
+    num_tokens: int
+
+    def __attrs_post_init__(self) -> None:
+        if isinstance(self.request_id, bool) or not isinstance(self.request_id, (int, str)):
+            raise UsageError(f"request_id must be an int or a str, got {self.request_id!r}")
+        _check_count("num_tokens", self.num_tokens)
+
+
+@attrs.frozen(kw_only=True)
+class ReplicaLoad:
+    """One replica and its load as the host last observed it.
+
+    ``running``: requests decoding or prefilling; ``waiting``: queued, not yet admitted;
+    ``kv_utilization``: fraction of the KV cache in use, in [0, 1].
+    """
+
+    name: str
+    running: int = 0
+    waiting: int = 0
+    kv_utilization: float = 0.0
+
+    def __attrs_post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise UsageError(f"replica name must be a non-empty str, got {self.name!r}")
+        _check_count("running", self.running)
+        _check_count("waiting", self.waiting)
+        u = self.kv_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0.0 <= u <= 1.0:
+            raise UsageError(f"kv_utilization must be a number in [0, 1], got {u!r}")
+
+
+@attrs.frozen(kw_only=True)
+class Routed:
+    """A final routing decision: send ``request_id`` to ``replica``."""
+
+    request_id: RequestId
+    replica: str
+
+
+class Router(Protocol):
+    """What the cluster simulator (and a host) needs from a router.
+
+    Immediate routers answer `route` with one decision and never hold requests; windowed
+    routers may hold requests and answer later from `route` or `tick`. Every request routed
+    is answered exactly once.
+    """
+
+    def route(
+        self, request: RouteRequest, now: float, replicas: Sequence[ReplicaLoad]
+    ) -> tuple[Routed, ...]:
+        """A request arrived at ``now``; return the decisions made now (maybe none)."""
+        ...
+
+    def tick(self, now: float, replicas: Sequence[ReplicaLoad]) -> tuple[Routed, ...]:
+        """Time passed; return decisions due at ``now`` (windowed routers only)."""
+        ...
+
+    def next_deadline(self) -> float | None:
+        """When `tick` next has something to do; ``None`` when nothing is held."""
+        ...
+
+    def record(self, request: RouteRequest, replica: str, now: float) -> None:
+        """Learn that ``request`` was sent to ``replica`` by someone else (a wrapper)."""
+        ...
+
+
+class Rng(Protocol):
+    """The randomness a router or workload generator draws: ``random.Random`` fits.
+
+    The core never imports ``random``; pass a seeded ``random.Random(seed)`` in.
+    """
+
+    def randrange(self, stop: int, /) -> int: ...
+
+    def randint(self, a: int, b: int, /) -> int: ...
+
+    def uniform(self, a: float, b: float, /) -> float: ...
+
+
+def check_now(now: object, last: float) -> float:
+    """``now`` as a float: finite and not before ``last``; `UsageError` otherwise."""
+    if isinstance(now, bool) or not isinstance(now, (int, float)) or not math.isfinite(now):
+        raise UsageError(f"now must be a finite number of seconds, got {now!r}")
+    if now < last:
+        raise UsageError(f"time went backwards: now={now!r} is before {last!r}")
+    return float(now)
+
+
+def check_replicas(replicas: Sequence[ReplicaLoad]) -> tuple[ReplicaLoad, ...]:
+    """At least one replica, each a `ReplicaLoad`, names unique."""
+    out = tuple(replicas)
+    if not out:
+        raise UsageError("at least one replica is needed, got none")
+    seen: set[str] = set()
+    for r in out:
+        if not isinstance(r, ReplicaLoad):
+            raise UsageError(f"replicas must be ReplicaLoad values, got {r!r}")
+        if r.name in seen:
+            raise UsageError(f"duplicate replica name {r.name!r}")
+        seen.add(r.name)
+    return out
+
+
+def assert_never(value: NoReturn) -> NoReturn:
+    """`typing.assert_never` (Python 3.11+), for exhaustive matches on 3.10 too."""
+    raise AssertionError(f"unhandled value: {value!r}")

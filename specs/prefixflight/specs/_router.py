@@ -1,0 +1,391 @@
+"""Executable specification of `BurstRouter`: a reference model and a conformance machine.
+
+`reference_assign` is a literal reading of the assignment rules (issue 5, after llm-d's burst
+prefix-cache producer): slow, with linear scans and explicit common-prefix comparisons
+instead of the implementation's hash index. `ReferenceWindow` is the batch window as a list.
+`BurstRouterConformance.for_factory(factory)` runs any implementation side by side with the
+model after every step::
+
+    from hypothesis.stateful import run_state_machine_as_test
+    run_state_machine_as_test(BurstRouterConformance.for_factory(my_factory))
+
+where ``my_factory(config, replicas)`` returns an object with ``arrive``, ``tick``,
+``cancel``, ``update_replicas``, ``pending`` and ``deadline`` (see `WindowedRouter`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, Protocol
+
+from hypothesis import note
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from prefixflight.core import (
+    Assignment,
+    BlockHash,
+    BurstConfig,
+    BurstRouter,
+    NoAffinity,
+    Placed,
+    ReplicaLoad,
+    RequestId,
+    RouteRequest,
+    UsageError,
+)
+
+__all__ = [
+    "BurstRouterConformance",
+    "ReferenceWindow",
+    "WindowedRouter",
+    "burst_configs",
+    "chained_blocks",
+    "reference_assign",
+    "replica_loads",
+    "route_batches",
+]
+
+
+# -- the reference assignment -----------------------------------------------------------------
+
+
+def _common_prefix(a: Sequence[BlockHash], b: Sequence[BlockHash]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def reference_assign(
+    requests: Sequence[RouteRequest], replicas: Sequence[ReplicaLoad], config: BurstConfig
+) -> tuple[Assignment, ...]:
+    """The assignment rules, read literally. Keys must be chained (position-unique) hashes."""
+    cap = config.max_prefix_blocks
+    k = config.max_per_replica
+    m = config.min_colocate_blocks
+    bs = config.block_size_tokens
+    key = {r.request_id: tuple(r.blocks[:cap]) for r in requests}
+
+    # Identical groups, in order of first arrival; empty prefixes are never grouped.
+    groups: list[tuple[tuple[BlockHash, ...], list[RequestId]]] = []
+    for r in requests:
+        kr = key[r.request_id]
+        if not kr:
+            continue
+        for gk, members in groups:
+            if gk == kr:
+                members.append(r.request_id)
+                break
+        else:
+            groups.append((kr, [r.request_id]))
+
+    def shares_with_another(rid: RequestId) -> bool:
+        mine = key[rid]
+        return len(mine) >= m and any(
+            other.request_id != rid and _common_prefix(mine, key[other.request_id]) >= m
+            for other in requests
+        )
+
+    identical = [g for g in groups if len(g[1]) >= 2]
+    sharing = [g for g in groups if len(g[1]) == 1 and m > 0 and shares_with_another(g[1][0])]
+    identical = sorted(identical, key=lambda g: -len(g[0]))  # stable: longer prefixes first
+    sharing = sorted(sharing, key=lambda g: -len(g[0]))
+    units = identical + sharing
+
+    def cost(unit_key: tuple[BlockHash, ...]) -> int:
+        return len(unit_key) * bs
+
+    by_tokens = config.balance_by == "tokens"
+    total = sum(cost(u[0]) if by_tokens else len(u[1]) for u in units)
+    fair_share = -(-total // len(replicas))
+    load = {r.name: 0 for r in replicas}
+    running = {r.name: r.running for r in replicas}
+    placed_keys: dict[str, list[tuple[BlockHash, ...]]] = {r.name: [] for r in replicas}
+    where: dict[RequestId, tuple[str, int]] = {}
+
+    def rank(name: str) -> tuple[int, int, str]:
+        return (load[name], running[name], name)
+
+    for unit_key, members in units:
+        match = {
+            name: max((_common_prefix(unit_key, pk) for pk in keys), default=0)
+            for name, keys in placed_keys.items()
+        }
+        on: dict[str, int] = {name: 0 for name in load}
+        left = list(members)
+        first = True
+        while left:
+            has_room = [n for n in load if k == -1 or on[n] < k]
+            target = None
+            if first and m > 0:
+                preferred = [n for n in has_room if load[n] < fair_share and match[n] >= m]
+                if preferred:
+                    target = min(preferred, key=lambda n: (-match[n], *rank(n)))
+            if target is None:
+                target = min(has_room or list(load), key=rank)
+            first = False
+            run = len(left) if k == -1 else min(len(left), max(1, k - on[target]))
+            for rid in left[:run]:
+                where[rid] = (target, len(unit_key))
+            left = left[run:]
+            if by_tokens:
+                if on[target] == 0:
+                    load[target] += max(0, cost(unit_key) - match[target] * bs)
+            else:
+                load[target] += run
+            on[target] += run
+        for name, n in on.items():
+            if n:
+                placed_keys[name].append(unit_key)
+
+    out: list[Assignment] = []
+    for r in requests:
+        if r.request_id in where:
+            name, blocks = where[r.request_id]
+            out.append(Placed(request_id=r.request_id, replica=name, matched_blocks=blocks))
+        else:
+            out.append(NoAffinity(request_id=r.request_id))
+    return tuple(out)
+
+
+# -- the reference window ---------------------------------------------------------------------
+
+
+class ReferenceWindow:
+    """The batch window, plainly: a list of waiting requests and the time the window opened."""
+
+    def __init__(self, config: BurstConfig, replicas: Sequence[ReplicaLoad]) -> None:
+        self.config = config
+        self.replicas = list(replicas)
+        self.waiting: list[RouteRequest] = []
+        self.opened_at: float | None = None
+        self.now = float("-inf")
+
+    @property
+    def deadline(self) -> float | None:
+        return None if self.opened_at is None else self.opened_at + self.config.window_s
+
+    @property
+    def pending(self) -> tuple[RequestId, ...]:
+        return tuple(r.request_id for r in self.waiting)
+
+    def _seal(self) -> tuple[Assignment, ...]:
+        batch, self.waiting, self.opened_at = self.waiting, [], None
+        return reference_assign(batch, self.replicas, self.config)
+
+    def _check_time(self, now: float) -> None:
+        if now != now or now < self.now:
+            raise UsageError(f"bad time {now!r}")
+
+    def arrive(self, request: RouteRequest, now: float) -> tuple[Assignment, ...]:
+        self._check_time(now)
+        deadline = self.deadline
+        late = deadline is not None and now >= deadline
+        if not late and request.request_id in self.pending:
+            raise UsageError(f"{request.request_id!r} is already waiting")
+        self.now = now
+        out: tuple[Assignment, ...] = self._seal() if late else ()
+        if self.opened_at is None:
+            self.opened_at = now
+        self.waiting.append(request)
+        if self.config.max_batch_size != -1 and len(self.waiting) >= self.config.max_batch_size:
+            out += self._seal()
+        return out
+
+    def tick(self, now: float) -> tuple[Assignment, ...]:
+        self._check_time(now)
+        self.now = now
+        deadline = self.deadline
+        return self._seal() if deadline is not None and now >= deadline else ()
+
+    def cancel(self, request_id: RequestId) -> None:
+        if request_id not in self.pending:
+            raise UsageError(f"{request_id!r} is not waiting")
+        self.waiting = [r for r in self.waiting if r.request_id != request_id]
+        if not self.waiting:
+            self.opened_at = None
+
+    def update_replicas(self, replicas: Sequence[ReplicaLoad]) -> None:
+        names = [r.name for r in replicas]
+        if not names or len(set(names)) != len(names):
+            raise UsageError("replica names must be unique and non-empty")
+        self.replicas = list(replicas)
+
+
+# -- strategies -------------------------------------------------------------------------------
+
+
+class WindowedRouter(Protocol):
+    """What the conformance machine drives (`BurstRouter` is one)."""
+
+    @property
+    def pending(self) -> tuple[RequestId, ...]: ...
+
+    @property
+    def deadline(self) -> float | None: ...
+
+    def arrive(self, request: RouteRequest, now: float) -> tuple[Assignment, ...]: ...
+
+    def tick(self, now: float) -> tuple[Assignment, ...]: ...
+
+    def cancel(self, request_id: RequestId) -> None: ...
+
+    def update_replicas(self, replicas: Sequence[ReplicaLoad]) -> None: ...
+
+
+RouterFactory = Callable[[BurstConfig, Sequence[ReplicaLoad]], WindowedRouter]
+
+
+@st.composite
+def chained_blocks(draw: st.DrawFn, max_blocks: int = 4, alphabet: int = 3) -> tuple[Any, ...]:
+    """Block hashes that chain like `BlockHasher`'s: block ``i`` stands for tokens ``0..i``.
+
+    A small alphabet makes shared prefixes and identical prompts common.
+    """
+    tokens = draw(st.lists(st.integers(0, alphabet - 1), max_size=max_blocks))
+    return tuple(tuple(tokens[: i + 1]) for i in range(len(tokens)))
+
+
+def replica_loads(max_replicas: int = 4) -> st.SearchStrategy[list[ReplicaLoad]]:
+    """One to ``max_replicas`` replicas with distinct names and small running counts."""
+    return st.lists(st.integers(0, 3), min_size=1, max_size=max_replicas).map(
+        lambda running: [ReplicaLoad(name=f"r{i}", running=n) for i, n in enumerate(running)]
+    )
+
+
+def burst_configs() -> st.SearchStrategy[BurstConfig]:
+    """Small configurations that reach every branch quickly (block size 4)."""
+    return st.builds(
+        BurstConfig,
+        window_ms=st.sampled_from([10, 50, 100]),
+        max_per_replica=st.sampled_from([-1, 1, 2, 3]),
+        block_size_tokens=st.just(4),
+        max_prefix_tokens_to_match=st.sampled_from([0, 8, 12]),
+        min_colocate_blocks=st.sampled_from([0, 1, 2]),
+        max_batch_size=st.sampled_from([-1, 1, 3, 6]),
+        balance_by=st.sampled_from(["requests", "tokens"]),
+    )
+
+
+@st.composite
+def route_batches(draw: st.DrawFn, max_size: int = 12) -> list[RouteRequest]:
+    """Batches with unique ids whose prompts come from a small pool of chained keys, so
+    identical groups, shared prefixes and singletons are all common."""
+    pool = draw(st.lists(chained_blocks(), min_size=1, max_size=5))
+    picks = draw(st.lists(st.sampled_from(pool), max_size=max_size))
+    return [
+        RouteRequest(request_id=i, blocks=k, num_tokens=4 * len(k)) for i, k in enumerate(picks)
+    ]
+
+
+# -- the conformance machine ------------------------------------------------------------------
+
+
+class BurstRouterConformance(RuleBasedStateMachine):
+    """A router implementation vs `ReferenceWindow`, compared after every step."""
+
+    factory: ClassVar[RouterFactory] = BurstRouter
+
+    @classmethod
+    def for_factory(cls, factory: RouterFactory) -> type[BurstRouterConformance]:
+        """A machine class that tests ``factory(config, replicas)``'s routers."""
+        return type(f"{cls.__name__}For", (cls,), {"factory": staticmethod(factory)})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.impl: WindowedRouter | None = None
+        self.model: ReferenceWindow | None = None
+        self.now = 0.0
+        self.next_id = 0
+        self.sealed: set[RequestId] = set()
+        self.prompts: list[tuple[Any, ...]] = []
+
+    @initialize(
+        config=burst_configs(),
+        replicas=replica_loads(),
+        prompts=st.lists(chained_blocks(), min_size=1, max_size=4),
+    )
+    def start(
+        self, config: BurstConfig, replicas: list[ReplicaLoad], prompts: list[tuple[Any, ...]]
+    ) -> None:
+        """Arrivals draw their prompts from a small pool, so groups and shared prefixes form."""
+        note(f"config={config!r} replicas={replicas!r}")
+        self.prompts = prompts
+        self.impl = type(self).factory(config, replicas)
+        self.model = ReferenceWindow(config, replicas)
+
+    def _both(self, call: Callable[[Any], Any]) -> Any:
+        assert self.impl is not None and self.model is not None
+        before = (self.impl.pending, self.impl.deadline)
+        try:
+            got = call(self.impl)
+        except UsageError as exc:
+            note(f"implementation rejected: {exc}")
+            try:
+                call(self.model)
+            except UsageError:
+                assert (self.impl.pending, self.impl.deadline) == before, "state changed"
+                return None
+            raise AssertionError(f"implementation rejected what the model accepts: {exc}") from None
+        want = call(self.model)
+        assert got == want, f"implementation {got!r} != model {want!r}"
+        for a in got or ():
+            assert a.request_id not in self.sealed, f"{a.request_id!r} answered twice"
+            self.sealed.add(a.request_id)
+        return got
+
+    @rule(dt=st.sampled_from([0.0, 0.004, 0.02, 0.05, 0.1, 0.2]), data=st.data())
+    def arrive(self, dt: float, data: st.DataObject) -> None:
+        blocks = data.draw(st.sampled_from(self.prompts))
+        self.now += dt
+        request = RouteRequest(request_id=self.next_id, blocks=blocks, num_tokens=4 * len(blocks))
+        self.next_id += 1
+        note(f"arrive {request.request_id} at {self.now}")
+        self._both(lambda r: r.arrive(request, self.now))
+
+    @precondition(lambda self: self.impl is not None and bool(self.impl.pending))
+    @rule(data=st.data())
+    def arrive_again(self, data: st.DataObject) -> None:
+        """A waiting id arrives again: rejected, unless the arrival seals its window first."""
+        assert self.impl is not None
+        rid = data.draw(st.sampled_from(sorted(self.impl.pending, key=repr)))
+        self._both(
+            lambda r: r.arrive(RouteRequest(request_id=rid, blocks=(), num_tokens=0), self.now)
+        )
+
+    @rule(dt=st.sampled_from([0.0, 0.004, 0.02, 0.05, 0.1, 0.2]))
+    def tick(self, dt: float) -> None:
+        self.now += dt
+        self._both(lambda r: r.tick(self.now))
+
+    @rule()
+    def tick_in_the_past(self) -> None:
+        self._both(lambda r: r.tick(self.now - 1.0))
+
+    @precondition(lambda self: self.impl is not None and bool(self.impl.pending))
+    @rule(data=st.data())
+    def cancel(self, data: st.DataObject) -> None:
+        assert self.impl is not None
+        rid = data.draw(st.sampled_from(sorted(self.impl.pending, key=repr)))
+        self._both(lambda r: r.cancel(rid))
+
+    @rule()
+    def cancel_unknown(self) -> None:
+        self._both(lambda r: r.cancel(-1))
+
+    @rule(replicas=replica_loads())
+    def update_replicas(self, replicas: list[ReplicaLoad]) -> None:
+        self._both(lambda r: r.update_replicas(replicas))
+
+    @invariant()
+    def views_agree(self) -> None:
+        if self.impl is None or self.model is None:
+            return
+        assert self.impl.pending == self.model.pending
+        assert self.impl.deadline == self.model.deadline
+        check = getattr(self.impl, "check_invariants", None)
+        if check is not None:
+            check()
