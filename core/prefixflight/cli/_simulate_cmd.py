@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
+from . import _simulate_flight_cmd
 from ._router_cmd import register_router
 
 __all__ = ["SIMULATIONS", "register"]
 
 RegisterSimulation = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], None]
 
-SIMULATIONS: tuple[RegisterSimulation, ...] = (register_router,)
+SIMULATIONS: tuple[RegisterSimulation, ...] = (register_router, _simulate_flight_cmd.register)
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -6,6 +6,7 @@ Needs the ``specs`` extra (Hypothesis). Point the machines at your own implement
 """
 
 from ._cache_machine import CacheConformance
+from ._flight import CoordinatorUnderTest, FlightCoordinatorMachine, FlightModel
 from ._machines import LRUConformance, PolicyConformance, S3FIFOConformance
 from ._reference import ReferenceLRU, ReferenceReplay, ReferenceS3FIFO, reference_replay
 from ._router import (
@@ -18,11 +19,16 @@ from ._router import (
     replica_loads,
     route_batches,
 )
+from ._scheduler import FakeBackend, SchedulerFactory, SchedulerMachine
 from ._strategies import policy_configs, s3fifo_configs, small_ratios, trace_records, traces
 
 __all__ = [
     "BurstRouterConformance",
     "CacheConformance",
+    "CoordinatorUnderTest",
+    "FakeBackend",
+    "FlightCoordinatorMachine",
+    "FlightModel",
     "LRUConformance",
     "PolicyConformance",
     "ReferenceLRU",
@@ -30,6 +36,8 @@ __all__ = [
     "ReferenceS3FIFO",
     "ReferenceWindow",
     "S3FIFOConformance",
+    "SchedulerFactory",
+    "SchedulerMachine",
     "WindowedRouter",
     "burst_configs",
     "chained_blocks",

@@ -1,0 +1,695 @@
+"""Single-flight prefill coordination (seed 000): one leader prefills, identical requests wait.
+
+Identical prompts (same namespace, same tokens) that arrive while a flight is open elect
+one leader that computes the prompt; the others wait as followers and, once released, reuse
+the leader's published pages. Only prefill is coordinated: every follower then decodes on its
+own with its own sampling settings.
+
+The coordinator is a sans-I/O state machine: `FlightCoordinator.handle` takes one event and
+returns the decisions the host must carry out. Every known request id is in exactly one
+place: leading a flight, waiting in a flight, released (tracked in a plain set until it
+terminates: seed 000's final design, no Draining state), or running independently.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from array import array
+from collections import deque
+from collections.abc import Sequence
+from typing import NoReturn, TypeAlias, final
+
+import attrs
+
+from ._errors import ConfigError, UsageError
+from ._hashing import BlockHash
+from ._plan import RequestId
+from ._validate import check_int
+
+__all__ = [
+    "Aborted",
+    "Arrived",
+    "FlightConfig",
+    "FlightCoordinator",
+    "FlightDecision",
+    "FlightEvent",
+    "FlightKey",
+    "FlightStats",
+    "Finished",
+    "Independent",
+    "Lead",
+    "Placement",
+    "PrefillDone",
+    "Progress",
+    "Promote",
+    "Release",
+    "ReleasePolicy",
+    "ReleaseReason",
+    "Tick",
+    "Wait",
+]
+
+
+def _assert_never(value: NoReturn) -> NoReturn:  # typing.assert_never is 3.11+
+    raise AssertionError(f"unhandled value {value!r}")
+
+
+class ReleasePolicy(enum.Enum):
+    """When the followers of a flight may be admitted."""
+
+    AFTER_PREFILL = "after_prefill"
+    """As soon as the leader's prompt pages are published (the default)."""
+    ON_COMPLETION = "on_completion"
+    """When the leader's whole request ends."""
+    INDEPENDENT = "independent"
+    """No coordination: every request computes on its own (the benchmarks' baseline)."""
+
+
+class ReleaseReason(enum.Enum):
+    """Why followers were released."""
+
+    PREFILL_PUBLISHED = "prefill_published"
+    LEADER_FINISHED = "leader_finished"
+    BLOCKS_PUBLISHED = "blocks_published"
+    """Partial-prefix waiters: the blocks they share with the leader are published."""
+    LEADER_ABORTED = "leader_aborted"
+    """Partial-prefix waiters of a flight whose last member aborted: they compute alone."""
+    TIMEOUT = "timeout"
+    """The follower waited longer than ``max_wait``: it computes on its own."""
+
+
+def _check_now(_inst: object, _a: attrs.Attribute[float], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise UsageError(f"now must be a real number, got {value!r}")
+
+
+def _check_request_id(_inst: object, _a: attrs.Attribute[RequestId], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise UsageError(f"request_id must be an int or a str, got {value!r}")
+
+
+@final
+@attrs.frozen
+class FlightKey:
+    """What makes two requests identical: namespace plus the exact input tokens.
+
+    Built with `FlightKey.of`; the tokens are kept as a SHA-256 digest (exact for every
+    practical purpose and cheap to hash), with their count.
+    """
+
+    namespace: bytes
+    digest: bytes
+    num_tokens: int
+
+    @classmethod
+    def of(cls, token_ids: Sequence[int], namespace: str | bytes = b"") -> FlightKey:
+        ns = namespace.encode("utf-8") if isinstance(namespace, str) else bytes(namespace)
+        try:
+            data = array("q", token_ids).tobytes()
+        except (TypeError, OverflowError) as exc:
+            raise UsageError(f"token ids must be ints in the int64 range: {exc}") from None
+        return cls(ns, hashlib.sha256(data).digest(), len(token_ids))
+
+
+# -- events ------------------------------------------------------------------------------
+@attrs.frozen(kw_only=True)
+class Arrived:
+    """A request arrived. ``blocks`` (its chained full-block hashes) are only needed for
+    partial-prefix coordination."""
+
+    request_id: RequestId = attrs.field(validator=_check_request_id)
+    key: FlightKey = attrs.field(validator=attrs.validators.instance_of(FlightKey))
+    now: float = attrs.field(validator=_check_now)
+    blocks: tuple[BlockHash, ...] = ()
+
+
+@attrs.frozen(kw_only=True)
+class Progress:
+    """A request has published its first ``published_blocks`` full prompt blocks."""
+
+    request_id: RequestId = attrs.field(validator=_check_request_id)
+    published_blocks: int = attrs.field(validator=attrs.validators.ge(0))
+    now: float = attrs.field(validator=_check_now)
+
+
+@attrs.frozen(kw_only=True)
+class PrefillDone:
+    """A request's prompt is computed and its full prompt blocks are published."""
+
+    request_id: RequestId = attrs.field(validator=_check_request_id)
+    now: float = attrs.field(validator=_check_now)
+
+
+@attrs.frozen(kw_only=True)
+class Finished:
+    """A request ended normally."""
+
+    request_id: RequestId = attrs.field(validator=_check_request_id)
+    now: float = attrs.field(validator=_check_now)
+
+
+@attrs.frozen(kw_only=True)
+class Aborted:
+    """A request was aborted or failed (before or after its prefill)."""
+
+    request_id: RequestId = attrs.field(validator=_check_request_id)
+    now: float = attrs.field(validator=_check_now)
+
+
+@attrs.frozen(kw_only=True)
+class Tick:
+    """Time passed: followers that waited longer than ``max_wait`` are released."""
+
+    now: float = attrs.field(validator=_check_now)
+
+
+FlightEvent: TypeAlias = Arrived | Progress | PrefillDone | Finished | Aborted | Tick
+
+
+# -- decisions ---------------------------------------------------------------------------
+@attrs.frozen(kw_only=True)
+class Lead:
+    """The request leads ``flight``: admit it, it computes the prompt."""
+
+    request_id: RequestId
+    flight: int
+
+
+@attrs.frozen(kw_only=True)
+class Wait:
+    """The request waits in ``flight`` without pages. ``blocks`` is how many leading blocks
+    it waits for (``None``: the whole prompt, an exact follower)."""
+
+    request_id: RequestId
+    flight: int
+    blocks: int | None = None
+
+
+@attrs.frozen(kw_only=True)
+class Independent:
+    """The request is not coordinated: admit it, it computes on its own."""
+
+    request_id: RequestId
+
+
+@attrs.frozen(kw_only=True)
+class Release:
+    """These waiting requests may be admitted now (oldest first); they look the prefix up."""
+
+    flight: int
+    request_ids: tuple[RequestId, ...]
+    reason: ReleaseReason
+
+
+@attrs.frozen(kw_only=True)
+class Promote:
+    """The leader left before publishing: this follower (the oldest) leads ``flight`` now;
+    admit it, it computes the prompt."""
+
+    flight: int
+    request_id: RequestId
+
+
+FlightDecision: TypeAlias = Lead | Wait | Independent | Release | Promote
+
+
+class Placement(enum.Enum):
+    """Where a known request id is (exactly one place)."""
+
+    LEADING = "leading"
+    WAITING = "waiting"
+    RELEASED = "released"
+    INDEPENDENT = "independent"
+
+
+@attrs.frozen(kw_only=True)
+class FlightConfig:
+    """How the coordinator behaves.
+
+    ``max_wait``: a follower that has waited longer than this (simulated seconds) is released
+    to compute on its own; ``None`` waits forever. ``min_shared_blocks``: turns on
+    partial-prefix coordination: a request sharing at least this many leading full blocks
+    with an open flight's leader waits only for those blocks; ``None`` (default) is off.
+    ``block_size`` converts a follower's reusable blocks into tokens for the stats.
+    """
+
+    policy: ReleasePolicy = ReleasePolicy.AFTER_PREFILL
+    max_wait: float | None = None
+    min_shared_blocks: int | None = None
+    block_size: int = 16
+
+    def __attrs_post_init__(self) -> None:
+        if not isinstance(self.policy, ReleasePolicy):
+            raise ConfigError(f"policy must be a ReleasePolicy, got {self.policy!r}")
+        mw = self.max_wait
+        if mw is not None and (
+            isinstance(mw, bool) or not isinstance(mw, (int, float)) or not mw >= 0
+        ):
+            raise ConfigError(f"max_wait must be None or a number >= 0, got {mw!r}")
+        if self.min_shared_blocks is not None:
+            check_int("min_shared_blocks", self.min_shared_blocks, minimum=1)
+        check_int("block_size", self.block_size, minimum=1)
+
+
+@attrs.frozen(kw_only=True)
+class FlightStats:
+    """Counters since the coordinator was made (times in the events' units)."""
+
+    flights_opened: int = 0
+    followers: int = 0
+    partial_followers: int = 0
+    tokens_not_recomputed: int = 0
+    waits: int = 0
+    total_wait: float = 0.0
+    max_wait: float = 0.0
+    promotions: int = 0
+    timeouts: int = 0
+
+
+# -- state -------------------------------------------------------------------------------
+@final
+class _Flight:
+    __slots__ = ("blocks", "done", "followers", "id", "key", "leader", "partial", "published")
+
+    def __init__(
+        self, flight_id: int, key: FlightKey, leader: RequestId, blocks: tuple[BlockHash, ...]
+    ) -> None:
+        self.id = flight_id
+        self.key = key
+        self.leader: RequestId | None = leader
+        self.blocks = blocks
+        self.followers: dict[RequestId, float] = {}  # insertion order = arrival order
+        # id -> (blocks awaited, arrival time, prompt tokens)
+        self.partial: dict[RequestId, tuple[int, float, int]] = {}
+        self.published = 0
+        self.done = False
+
+
+@final
+class FlightCoordinator:
+    """Single-flight coordinator of identical prompts (see the module docstring).
+
+    ``handle(event)`` returns the decisions in the order the host should apply them. A
+    rejected event (unknown or duplicate id, time going backwards, an event the request's
+    place does not allow) raises `UsageError` and leaves the state unchanged.
+    """
+
+    __slots__ = (
+        "_by_key",
+        "_config",
+        "_deadlines",
+        "_flights",
+        "_independent",
+        "_leading",
+        "_next_id",
+        "_now",
+        "_prefix_index",
+        "_released",
+        "_stats",
+        "_waiting",
+    )
+
+    def __init__(self, config: FlightConfig | None = None) -> None:
+        self._config = FlightConfig() if config is None else config
+        if not isinstance(self._config, FlightConfig):
+            raise ConfigError(f"config must be a FlightConfig, got {config!r}")
+        self._flights: dict[int, _Flight] = {}
+        self._by_key: dict[FlightKey, _Flight] = {}
+        self._leading: dict[RequestId, _Flight] = {}
+        self._waiting: dict[RequestId, _Flight] = {}
+        self._released: set[RequestId] = set()
+        self._independent: set[RequestId] = set()
+        # (depth, block hash) -> open flights whose leader's prompt has that block at that
+        # depth (>= min_shared_blocks - 1), oldest flight first; partial-prefix coordination
+        self._prefix_index: dict[tuple[int, BlockHash], dict[int, _Flight]] = {}
+        self._deadlines: deque[tuple[float, RequestId, int]] = deque()
+        self._next_id = 0
+        self._now = float("-inf")
+        self._stats = _MutableStats()
+
+    # -- views ---------------------------------------------------------------------------
+    @property
+    def config(self) -> FlightConfig:
+        return self._config
+
+    @property
+    def stats(self) -> FlightStats:
+        return self._stats.freeze()
+
+    @property
+    def now(self) -> float:
+        """The latest time seen in an event (``-inf`` before the first)."""
+        return self._now
+
+    def placement(self, request_id: RequestId) -> Placement | None:
+        """Where ``request_id`` is, or ``None`` if unknown (never seen, or terminated)."""
+        if request_id in self._leading:
+            return Placement.LEADING
+        if request_id in self._waiting:
+            return Placement.WAITING
+        if request_id in self._released:
+            return Placement.RELEASED
+        if request_id in self._independent:
+            return Placement.INDEPENDENT
+        return None
+
+    def placements(self) -> dict[RequestId, Placement]:
+        """A copy: every known request id and its place."""
+        out: dict[RequestId, Placement] = {}
+        for r in self._leading:
+            out[r] = Placement.LEADING
+        for r in self._waiting:
+            out[r] = Placement.WAITING
+        for r in self._released:
+            out[r] = Placement.RELEASED
+        for r in self._independent:
+            out[r] = Placement.INDEPENDENT
+        return out
+
+    def flights(self) -> dict[int, tuple[RequestId | None, tuple[RequestId, ...]]]:
+        """A copy: open flight id -> (leader, waiting members oldest first)."""
+        return {f.id: (f.leader, (*f.followers, *f.partial)) for f in self._flights.values()}
+
+    def flight_of(self, key: FlightKey) -> int | None:
+        """The open flight for ``key``, if any."""
+        f = self._by_key.get(key)
+        return None if f is None else f.id
+
+    def __len__(self) -> int:
+        """Open flights."""
+        return len(self._flights)
+
+    # -- the one entry point -------------------------------------------------------------
+    def handle(self, event: FlightEvent) -> tuple[FlightDecision, ...]:
+        """Apply one event; return the decisions to carry out, in order."""
+        now = float(event.now)
+        if now < self._now:
+            raise UsageError(f"time went backwards: now={event.now!r} < {self._now!r}")
+        out: list[FlightDecision] = []
+        match event:
+            case Arrived():
+                self._check_new(event.request_id)
+                self._now = now
+                self._expire(now, out)
+                self._arrive(event, now, out)
+            case Progress():
+                flight = self._check_running(event.request_id, "report progress")
+                self._now = now
+                self._expire(now, out)
+                if flight is not None:
+                    self._progress(flight, event.published_blocks, now, out)
+            case PrefillDone():
+                flight = self._check_running(event.request_id, "finish its prefill")
+                self._now = now
+                self._expire(now, out)
+                if flight is not None:
+                    self._prefill_done(flight, now, out)
+            case Finished():
+                self._check_running(event.request_id, "finish")
+                self._now = now
+                self._expire(now, out)
+                self._terminate(event.request_id, now, out, aborted=False)
+            case Aborted():
+                if self.placement(event.request_id) is None:
+                    raise UsageError(f"unknown request id {event.request_id!r}")
+                self._now = now
+                self._expire(now, out)
+                self._terminate(event.request_id, now, out, aborted=True)
+            case Tick():
+                self._now = now
+                self._expire(now, out)
+            case _:
+                _assert_never(event)
+        return tuple(out)
+
+    # -- checks (raise before any change) ------------------------------------------------
+    def _check_new(self, request_id: RequestId) -> None:
+        if self.placement(request_id) is not None:
+            raise UsageError(f"duplicate request id {request_id!r}: it is already known")
+
+    def _check_running(self, request_id: RequestId, what: str) -> _Flight | None:
+        """A request that may compute: return its flight if it leads one."""
+        place = self.placement(request_id)
+        if place is None:
+            raise UsageError(f"unknown request id {request_id!r}")
+        if place is Placement.WAITING:
+            raise UsageError(f"request {request_id!r} is waiting in a flight and cannot {what}")
+        return self._leading.get(request_id)
+
+    # -- transitions ---------------------------------------------------------------------
+    def _arrive(self, ev: Arrived, now: float, out: list[FlightDecision]) -> None:
+        rid = ev.request_id
+        cfg = self._config
+        if cfg.policy is ReleasePolicy.INDEPENDENT:
+            self._independent.add(rid)
+            out.append(Independent(request_id=rid))
+            return
+        flight = self._by_key.get(ev.key)
+        if flight is not None:
+            flight.followers[rid] = now
+            self._waiting[rid] = flight
+            self._stats.followers += 1
+            if cfg.max_wait is not None:
+                self._deadlines.append((now + cfg.max_wait, rid, flight.id))
+            out.append(Wait(request_id=rid, flight=flight.id))
+            return
+        if cfg.min_shared_blocks is not None and ev.blocks:
+            partial = self._partial_match(ev.blocks)
+            if partial is not None:
+                host, shared = partial
+                host.partial[rid] = (shared, now, ev.key.num_tokens)
+                self._waiting[rid] = host
+                self._stats.partial_followers += 1
+                if cfg.max_wait is not None:
+                    self._deadlines.append((now + cfg.max_wait, rid, host.id))
+                out.append(Wait(request_id=rid, flight=host.id, blocks=shared))
+                return
+        flight = _Flight(self._next_id, ev.key, rid, ev.blocks)
+        self._next_id += 1
+        self._flights[flight.id] = flight
+        self._by_key[ev.key] = flight
+        self._leading[rid] = flight
+        self._stats.flights_opened += 1
+        if cfg.min_shared_blocks is not None:
+            index = self._prefix_index
+            for i in range(cfg.min_shared_blocks - 1, len(ev.blocks)):
+                index.setdefault((i, ev.blocks[i]), {})[flight.id] = flight
+        out.append(Lead(request_id=rid, flight=flight.id))
+
+    def _partial_match(self, blocks: tuple[BlockHash, ...]) -> tuple[_Flight, int] | None:
+        """The open flight sharing the most leading blocks (at least ``min_shared_blocks``;
+        the oldest flight on a tie), if its shared blocks are not all published yet."""
+        m = self._config.min_shared_blocks
+        assert m is not None
+        index = self._prefix_index
+        best: _Flight | None = None
+        shared = 0
+        for i in range(m - 1, len(blocks)):  # chained hashes: a hit at depth i is a hit
+            fs = index.get((i, blocks[i]))  # on the whole prefix, so keep the deepest
+            if fs:
+                best, shared = next(iter(fs.values())), i + 1
+        if best is None or best.done or best.published >= shared:
+            return None  # nothing to wait for: the shared blocks are already published
+        return best, shared
+
+    def _progress(
+        self, flight: _Flight, published: int, now: float, out: list[FlightDecision]
+    ) -> None:
+        if published > flight.published:
+            flight.published = published
+        self._release_partial(flight, now, out, ReleaseReason.BLOCKS_PUBLISHED, all_=False)
+
+    def _prefill_done(self, flight: _Flight, now: float, out: list[FlightDecision]) -> None:
+        flight.done = True
+        flight.published = max(flight.published, len(flight.blocks))
+        self._release_partial(flight, now, out, ReleaseReason.BLOCKS_PUBLISHED, all_=True)
+        if self._config.policy is ReleasePolicy.AFTER_PREFILL:
+            self._close(flight, now, out, ReleaseReason.PREFILL_PUBLISHED)
+
+    def _terminate(
+        self, rid: RequestId, now: float, out: list[FlightDecision], *, aborted: bool
+    ) -> None:
+        flight = self._leading.pop(rid, None)
+        if flight is not None:
+            flight.leader = None
+            if aborted and not flight.done and flight.followers:
+                new = next(iter(flight.followers))
+                self._note_wait(flight.followers.pop(new), now)
+                del self._waiting[new]
+                flight.leader = new
+                self._leading[new] = flight
+                self._stats.promotions += 1
+                out.append(Promote(flight=flight.id, request_id=new))
+                return
+            if aborted:
+                reason = ReleaseReason.LEADER_ABORTED
+                self._release_partial(flight, now, out, reason, all_=True)
+            else:
+                reason = ReleaseReason.LEADER_FINISHED
+                flight.done = True
+                self._release_partial(flight, now, out, ReleaseReason.BLOCKS_PUBLISHED, all_=True)
+            self._close(flight, now, out, reason)
+            return
+        flight = self._waiting.pop(rid, None)
+        if flight is not None:
+            if flight.followers.pop(rid, None) is None:
+                del flight.partial[rid]
+            return
+        self._released.discard(rid)
+        self._independent.discard(rid)
+
+    def _release_partial(
+        self,
+        flight: _Flight,
+        now: float,
+        out: list[FlightDecision],
+        reason: ReleaseReason,
+        *,
+        all_: bool,
+    ) -> None:
+        if not flight.partial:
+            return
+        ready = [
+            r for r, (need, _, _) in flight.partial.items() if all_ or need <= flight.published
+        ]
+        if not ready:
+            return
+        bs = self._config.block_size
+        for r in ready:
+            need, arrived, n = flight.partial.pop(r)
+            del self._waiting[r]
+            self._released.add(r)
+            self._note_wait(arrived, now)
+            if reason is ReleaseReason.BLOCKS_PUBLISHED:
+                self._stats.tokens_not_recomputed += min(need * bs, max(n - 1, 0) // bs * bs)
+        out.append(Release(flight=flight.id, request_ids=tuple(ready), reason=reason))
+
+    def _close(
+        self, flight: _Flight, now: float, out: list[FlightDecision], reason: ReleaseReason
+    ) -> None:
+        """Remove the flight and its index entries; its members become released."""
+        del self._flights[flight.id]
+        del self._by_key[flight.key]
+        m = self._config.min_shared_blocks
+        if m is not None:
+            index = self._prefix_index
+            for i in range(m - 1, len(flight.blocks)):
+                ib = (i, flight.blocks[i])
+                fs = index.get(ib)
+                if fs is not None:
+                    fs.pop(flight.id, None)
+                    if not fs:
+                        del index[ib]
+        assert not flight.partial, "partial waiters are released before a flight closes"
+        if flight.leader is not None:
+            del self._leading[flight.leader]
+            self._released.add(flight.leader)
+            flight.leader = None
+        if flight.followers:
+            ids = tuple(flight.followers)
+            for r, arrived in flight.followers.items():
+                del self._waiting[r]
+                self._released.add(r)
+                self._note_wait(arrived, now)
+            if flight.done:
+                self._stats.tokens_not_recomputed += len(ids) * self._reusable(flight.key)
+            out.append(Release(flight=flight.id, request_ids=ids, reason=reason))
+            flight.followers.clear()
+
+    def _reusable(self, key: FlightKey) -> int:
+        bs = self._config.block_size
+        return max(key.num_tokens - 1, 0) // bs * bs
+
+    def _expire(self, now: float, out: list[FlightDecision]) -> None:
+        """Release followers that have waited longer than ``max_wait`` (oldest first)."""
+        mw = self._config.max_wait
+        if mw is None:
+            return
+        dl = self._deadlines
+        while dl and dl[0][0] < now:
+            _, rid, fid = dl.popleft()
+            flight = self._waiting.get(rid)
+            if flight is None or flight.id != fid:
+                continue  # already released, promoted or terminated
+            if rid in flight.followers:
+                arrived = flight.followers.pop(rid)
+            else:
+                arrived = flight.partial.pop(rid)[1]
+            del self._waiting[rid]
+            self._released.add(rid)
+            self._note_wait(arrived, now)
+            self._stats.timeouts += 1
+            out.append(Release(flight=fid, request_ids=(rid,), reason=ReleaseReason.TIMEOUT))
+
+    def _note_wait(self, arrived: float, now: float) -> None:
+        s = self._stats
+        w = now - arrived
+        s.waits += 1
+        s.total_wait += w
+        if w > s.max_wait:
+            s.max_wait = w
+
+    # -- checks --------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Raise `AssertionError` if the internal state is inconsistent."""
+        sets = [set(self._leading), set(self._waiting), self._released, self._independent]
+        total = sum(len(s) for s in sets)
+        assert len(set().union(*sets)) == total, "a request id is in two places"
+        assert len(self._by_key) == len(self._flights), "one flight per key"
+        for f in self._flights.values():
+            assert self._by_key[f.key] is f
+            members = [*f.followers, *f.partial]
+            assert f.leader is not None or members, "a flight outlived all its members"
+            if f.leader is not None:
+                assert self._leading[f.leader] is f
+            for r in members:
+                assert self._waiting[r] is f
+        for r, f in self._leading.items():
+            assert f.leader == r and self._flights[f.id] is f
+        for r, f in self._waiting.items():
+            assert r in f.followers or r in f.partial
+            assert self._flights[f.id] is f
+        for fs in self._prefix_index.values():
+            assert fs, "empty prefix index entry"
+            for f in fs.values():
+                assert self._flights.get(f.id) is f, "stale prefix index entry"
+
+
+@final
+class _MutableStats:
+    __slots__ = (
+        "flights_opened",
+        "followers",
+        "max_wait",
+        "partial_followers",
+        "promotions",
+        "timeouts",
+        "tokens_not_recomputed",
+        "total_wait",
+        "waits",
+    )
+
+    def __init__(self) -> None:
+        self.flights_opened = 0
+        self.followers = 0
+        self.partial_followers = 0
+        self.tokens_not_recomputed = 0
+        self.waits = 0
+        self.total_wait = 0.0
+        self.max_wait = 0.0
+        self.promotions = 0
+        self.timeouts = 0
+
+    def freeze(self) -> FlightStats:
+        return FlightStats(
+            flights_opened=self.flights_opened,
+            followers=self.followers,
+            partial_followers=self.partial_followers,
+            tokens_not_recomputed=self.tokens_not_recomputed,
+            waits=self.waits,
+            total_wait=self.total_wait,
+            max_wait=self.max_wait,
+            promotions=self.promotions,
+            timeouts=self.timeouts,
+        )

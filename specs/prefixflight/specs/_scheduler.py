@@ -1,0 +1,436 @@
+"""Executable specification of the scheduler + prefix cache + coordinator.
+
+`FakeBackend` executes `StepPlan`s instantly on a pool of pages that hold token ids instead
+of KV, and checks every read: a prefill or decode may only attend to pages that hold exactly
+the tokens of its own sequence. `SchedulerMachine` drives a scheduler with random arrivals
+(identical and different prompts, two namespaces), steps, aborts (also while a step is
+running), bad results and unknown ids, and checks after every step:
+
+- pinned blocks are never evicted and page counts add up (``check_invariants``);
+- every cached block's page holds exactly that block's tokens;
+- requests are where the coordinator says they are;
+- no page leaks once every request has ended;
+- liveness: with arrivals stopped, everything finishes within a bound of steps;
+- reports are consistent (cached + computed == prompt, outputs are the backend's tokens).
+
+Run it against your own scheduler::
+
+    run_state_machine_as_test(SchedulerMachine.for_factory(my_factory))
+
+where ``my_factory(config, cache, coordinator)`` returns an object shaped like `Scheduler`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+from hypothesis import note
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from prefixflight.core import (
+    LRU,
+    S3FIFO,
+    BlockHash,
+    BlockHasher,
+    FinishReason,
+    FlightConfig,
+    FlightCoordinator,
+    Placement,
+    PrefixCache,
+    PublishMode,
+    ReleasePolicy,
+    RequestId,
+    RequestState,
+    Scheduler,
+    SchedulerConfig,
+    StepPlan,
+    StepResult,
+    UsageError,
+)
+
+__all__ = ["FakeBackend", "SchedulerFactory", "SchedulerMachine"]
+
+SchedulerFactory = Callable[[SchedulerConfig, PrefixCache, FlightCoordinator], Any]
+
+
+class FakeBackend:
+    """Runs plans instantly; pages hold token ids; every read is checked.
+
+    ``sequences[rid]`` is the host's view of each request (prompt, then sampled tokens);
+    ``sampler(rid, position)`` picks the token sampled after ``position``.
+    """
+
+    def __init__(
+        self, num_pages: int, block_size: int, sampler: Callable[[RequestId, int], int]
+    ) -> None:
+        self.block_size = block_size
+        self.pages: list[list[int | None]] = [[None] * block_size for _ in range(num_pages)]
+        self.sequences: dict[RequestId, list[int]] = {}
+        self.sampler = sampler
+
+    def _read(self, pages: tuple[int, ...], pos: int) -> int | None:
+        return self.pages[pages[pos // self.block_size]][pos % self.block_size]
+
+    def _write(self, pages: tuple[int, ...], pos: int, token: int) -> None:
+        self.pages[pages[pos // self.block_size]][pos % self.block_size] = token
+
+    def _check_context(self, rid: RequestId, pages: tuple[int, ...], end: int) -> None:
+        seq = self.sequences[rid]
+        for pos in range(end):
+            got = self._read(pages, pos)
+            assert got == seq[pos], f"{rid!r} position {pos}: page holds {got!r}, not {seq[pos]}"
+
+    def run(self, plan: StepPlan) -> StepResult:
+        bs = self.block_size
+        written: dict[int, RequestId] = {}
+        for p in plan.prefills:
+            for pos in range(p.start, p.start + len(p.token_ids)):
+                written.setdefault(p.pages[pos // bs], p.request_id)
+        for d in plan.decodes:
+            written.setdefault(d.pages[d.position // bs], d.request_id)
+        works = [(p.request_id, p.pages) for p in plan.prefills]
+        works += [(d.request_id, d.pages) for d in plan.decodes]
+        for rid, pages in works:
+            for page in pages:
+                owner = written.get(page, rid)
+                assert owner == rid, f"page {page} written by {owner!r} is also used by {rid!r}"
+        sampled: list[tuple[RequestId, int]] = []
+        for p in plan.prefills:
+            seq = self.sequences[p.request_id]
+            self._check_context(p.request_id, p.pages, p.start)
+            assert list(p.token_ids) == seq[p.start : p.start + len(p.token_ids)]
+            for i, tok in enumerate(p.token_ids):
+                self._write(p.pages, p.start + i, tok)
+            if p.sample:
+                end = p.start + len(p.token_ids)
+                assert end == len(seq), "sample=True must end the prompt"
+                tok = self.sampler(p.request_id, end)
+                seq.append(tok)
+                sampled.append((p.request_id, tok))
+        for d in plan.decodes:
+            seq = self.sequences[d.request_id]
+            assert d.position == len(seq) - 1 and d.token_id == seq[-1]
+            self._check_context(d.request_id, d.pages, d.position)
+            self._write(d.pages, d.position, d.token_id)
+            tok = self.sampler(d.request_id, d.position + 1)
+            seq.append(tok)
+            sampled.append((d.request_id, tok))
+        return StepResult(step=plan.step, sampled=tuple(sampled))
+
+
+def _default_factory(
+    config: SchedulerConfig, cache: PrefixCache, coordinator: FlightCoordinator
+) -> Scheduler:
+    return Scheduler(config, cache=cache, coordinator=coordinator)
+
+
+_BLOCK = 2
+_FAMILIES: tuple[tuple[int, ...], ...] = (
+    (1, 2, 3, 4, 5, 6, 7),
+    (1, 2, 3, 4, 9, 9),
+    (1, 2, 8, 8, 8, 8, 8, 8),
+    (5, 5, 5),
+)
+_IDS = tuple(range(8))
+_STOP = 3
+
+
+def _sampler(rid: RequestId, position: int) -> int:
+    return position % 4  # identical across requests: decode blocks get shared too
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """Scheduler + cache + coordinator on a `FakeBackend`, checked after every step."""
+
+    factory: ClassVar[SchedulerFactory] = _default_factory
+
+    @classmethod
+    def for_factory(cls, factory: SchedulerFactory) -> type[SchedulerMachine]:
+        """A subclass of this machine that tests schedulers made by ``factory``."""
+        name = f"{cls.__name__}For{getattr(factory, '__name__', 'Factory')}"
+        return type(name, (cls,), {"factory": staticmethod(factory)})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sched: Any = None
+        self.backend: FakeBackend | None = None
+        self.coordinator: FlightCoordinator | None = None
+        self.cache: PrefixCache | None = None
+        self.now = 0.0
+        self.plan: StepPlan | None = None
+        self.result: StepResult | None = None
+        # live request -> (prompt, namespace, max_new_tokens, stops on _STOP)
+        self.live: dict[RequestId, tuple[tuple[int, ...], bytes, int, bool]] = {}
+        self.aborting: set[RequestId] = set()  # aborted while the outstanding plan runs
+        self.block_tokens: dict[BlockHash, tuple[int, ...]] = {}
+        self.hashers = {ns: BlockHasher(_BLOCK, namespace=ns) for ns in (b"a", b"b")}
+
+    @initialize(
+        num_pages=st.integers(5, 9),
+        max_running=st.integers(1, 3),
+        extra_tokens=st.integers(0, 4),
+        publish=st.sampled_from(PublishMode),
+        policy=st.sampled_from(["lru", "s3fifo"]),
+        capacity_cut=st.integers(0, 3),
+        flight=st.sampled_from(ReleasePolicy),
+        max_wait=st.one_of(st.none(), st.sampled_from([0.0, 2.0])),
+        min_shared=st.one_of(st.none(), st.just(1)),
+    )
+    def setup(
+        self,
+        num_pages: int,
+        max_running: int,
+        extra_tokens: int,
+        publish: PublishMode,
+        policy: str,
+        capacity_cut: int,
+        flight: ReleasePolicy,
+        max_wait: float | None,
+        min_shared: int | None,
+    ) -> None:
+        config = SchedulerConfig(
+            num_pages=num_pages,
+            block_size=_BLOCK,
+            max_batch_tokens=max_running + extra_tokens,
+            max_running=max_running,
+            publish=publish,
+        )
+        capacity = max(num_pages - capacity_cut, 0)
+        pol = LRU(capacity) if policy == "lru" else S3FIFO(capacity)
+        self.cache = PrefixCache(pol, _BLOCK)
+        self.coordinator = FlightCoordinator(
+            FlightConfig(
+                policy=flight, max_wait=max_wait, min_shared_blocks=min_shared, block_size=_BLOCK
+            )
+        )
+        note(f"{config!r}, {pol!r}, {self.coordinator.config!r}")
+        self.sched = type(self).factory(config, self.cache, self.coordinator)
+        self.backend = FakeBackend(num_pages, _BLOCK, _sampler)
+
+    # -- helpers -------------------------------------------------------------------------
+    def _snapshot(self) -> object:
+        s = self.sched
+        assert self.coordinator is not None
+        return (s.requests(), s.page_usage(), s.stats, s.outstanding, self.coordinator.placements())
+
+    def _rejected(self, call: Callable[[], object]) -> None:
+        before = self._snapshot()
+        try:
+            call()
+        except UsageError as exc:
+            note(f"  rejected: {exc}")
+        else:
+            raise AssertionError("the call should have been rejected")
+        assert self._snapshot() == before, "a rejected call changed the state"
+
+    def _record_blocks(self, rid: RequestId) -> None:
+        assert self.backend is not None
+        seq = self.backend.sequences[rid]
+        ns = self.live[rid][1]
+        for j, h in enumerate(self.hashers[ns].hash_tokens(seq)):
+            self.block_tokens[h] = tuple(seq[j * _BLOCK : (j + 1) * _BLOCK])
+
+    def _check_report(self, report: Any) -> None:
+        assert self.backend is not None
+        rid = report.request_id
+        prompt, _, max_new, stops = self.live.pop(rid)
+        n = len(prompt)
+        assert report.prompt_tokens == n
+        assert report.cached_tokens % _BLOCK == 0
+        assert report.cached_tokens <= (n - 1) // _BLOCK * _BLOCK, "the last token is computed"
+        outputs = tuple(self.backend.sequences[rid][n:]) if rid in self.backend.sequences else ()
+        if report.finish_reason is FinishReason.ABORTED:
+            assert report.output_token_ids == outputs[: len(report.output_token_ids)]
+            return
+        assert report.cached_tokens + report.computed_prompt_tokens == n
+        assert report.output_token_ids == outputs
+        assert 1 <= len(outputs) <= max_new
+        if report.finish_reason is FinishReason.LENGTH:
+            assert len(outputs) == max_new
+            assert not stops or _STOP not in outputs
+        else:
+            assert stops
+            assert outputs[-1] == _STOP and _STOP not in outputs[:-1]
+        assert report.first_token_at is not None and report.first_token_at <= report.finished_at
+
+    def _step(self, dt: float) -> bool:
+        """Schedule and complete one step; False if the plan was empty."""
+        self.schedule(dt)
+        if self.plan is None:
+            return False
+        self.complete(0.5)
+        return True
+
+    # -- rules ---------------------------------------------------------------------------
+    @rule(
+        rid=st.sampled_from(_IDS),
+        family=st.integers(0, len(_FAMILIES) - 1),
+        cut=st.integers(0, 2),
+        ns=st.sampled_from([b"a", b"b"]),
+        max_new=st.integers(1, 3),
+        stop=st.booleans(),
+    )
+    def add(self, rid: int, family: int, cut: int, ns: bytes, max_new: int, stop: bool) -> None:
+        assert self.backend is not None
+        prompt = _FAMILIES[family][: len(_FAMILIES[family]) - cut]
+        stops = (_STOP,) if stop else ()
+        note(f"add_request({rid!r}, {prompt!r}, max_new_tokens={max_new}, ns={ns!r})")
+
+        def call() -> object:
+            return self.sched.add_request(
+                rid, prompt, max_new_tokens=max_new, now=self.now, namespace=ns,
+                stop_token_ids=stops,
+            )  # fmt: skip
+
+        if rid in self.live or rid in self.aborting:
+            self._rejected(call)
+            return
+        state = call()
+        assert state in (RequestState.QUEUED, RequestState.WAITING)
+        self.live[rid] = (prompt, ns, max_new, stop)
+        self.backend.sequences[rid] = list(prompt)
+
+    @precondition(lambda self: bool(self.live))
+    @rule(data=st.data(), rid=st.sampled_from(_IDS), max_new=st.integers(1, 3))
+    def add_identical(self, data: st.DataObject, rid: int, max_new: int) -> None:
+        """Same prompt and namespace as a live request: joins its flight if one is open."""
+        other = data.draw(st.sampled_from(sorted(self.live, key=repr)))
+        prompt, ns, _, stop = self.live[other]
+        family = next(i for i, f in enumerate(_FAMILIES) if f[: len(prompt)] == prompt)
+        self.add(rid, family, len(_FAMILIES[family]) - len(prompt), ns, max_new, stop)
+
+    @precondition(lambda self: self.sched is not None and self.plan is None)
+    @rule(dt=st.sampled_from([0.0, 1.0]))
+    def step(self, dt: float) -> None:
+        self._step(dt)
+
+    @precondition(lambda self: self.sched is not None and self.sched.outstanding is None)
+    @rule(dt=st.sampled_from([0.0, 1.0, 2.5]))
+    def schedule(self, dt: float) -> None:
+        assert self.backend is not None
+        self.now += dt
+        plan = self.sched.schedule(self.now)
+        note(f"schedule({self.now}) -> {plan!r}")
+        cfg = self.sched.config
+        assert plan.num_tokens <= cfg.max_batch_tokens
+        ids = [p.request_id for p in plan.prefills] + [d.request_id for d in plan.decodes]
+        assert len(ids) == len(set(ids)) <= cfg.max_running
+        if plan.is_empty:
+            assert self.sched.outstanding is None
+            self.plan = None
+            return
+        self.plan = plan
+        self.result = self.backend.run(plan)
+
+    @precondition(lambda self: self.plan is not None)
+    @rule(dt=st.sampled_from([0.0, 0.5]))
+    def complete(self, dt: float) -> None:
+        assert self.result is not None and self.plan is not None
+        self.now += dt
+        outcome = self.sched.complete_step(self.result, self.now)
+        note(f"complete_step -> {outcome!r}")
+        live_ids = [rid for rid, _ in self.result.sampled if rid in self.live]
+        assert [rid for rid, _ in outcome.tokens] == live_ids
+        for rid in {p.request_id for p in self.plan.prefills} | {
+            d.request_id for d in self.plan.decodes
+        }:
+            if rid in self.live:
+                self._record_blocks(rid)
+        for report in outcome.finished:
+            assert report.finish_reason is not FinishReason.ABORTED
+            self._check_report(report)
+        self.plan = None
+        self.result = None
+        self.aborting.clear()
+
+    @precondition(lambda self: self.plan is not None)
+    @rule(kind=st.sampled_from(["wrong_step", "missing", "extra", "bad_token"]))
+    def bad_result(self, kind: str) -> None:
+        assert self.result is not None
+        r = self.result
+        match kind:
+            case "wrong_step":
+                bad = StepResult(step=r.step + 1, sampled=r.sampled)
+            case "missing":
+                bad = StepResult(step=r.step, sampled=r.sampled[1:])
+            case "extra":
+                bad = StepResult(step=r.step, sampled=(*r.sampled, ("nobody", 1)))
+            case _:
+                bad = StepResult(step=r.step, sampled=tuple((rid, -1) for rid, _ in r.sampled))
+        if bad == r:
+            return  # e.g. nothing sampled in this step: "missing" is the same result
+        self._rejected(lambda: self.sched.complete_step(bad, self.now))
+
+    @precondition(lambda self: bool(self.live))
+    @rule(data=st.data())
+    def abort(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.live, key=repr)))
+        note(f"abort({rid!r})")
+        report = self.sched.abort(rid, self.now)
+        assert report.finish_reason is FinishReason.ABORTED
+        plan = self.plan
+        if plan is not None and rid in {p.request_id for p in plan.prefills} | {
+            d.request_id for d in plan.decodes
+        }:
+            self.aborting.add(rid)
+        self._check_report(report)
+
+    @precondition(lambda self: self.sched is not None)
+    @rule(what=st.sampled_from(["abort_unknown", "time_backwards", "schedule_twice"]))
+    def misuse(self, what: str) -> None:
+        match what:
+            case "abort_unknown":
+                self._rejected(lambda: self.sched.abort(99, self.now))
+            case "time_backwards":
+                if self.sched.now > float("-inf") and self.plan is None:
+                    self._rejected(lambda: self.sched.schedule(self.sched.now - 1.0))
+            case _:
+                if self.plan is not None:
+                    self._rejected(lambda: self.sched.schedule(self.now))
+
+    @precondition(lambda self: self.sched is not None)
+    @rule()
+    def drain(self) -> None:
+        """Liveness: with arrivals stopped, everything finishes within a bound of steps."""
+        if self.plan is not None:
+            self.complete(0.0)
+        bound = sum(len(p) + m for p, _, m, _ in self.live.values()) + 2 * len(self.live) + 2
+        for _ in range(bound):
+            if not self.sched.has_unfinished:
+                break
+            self.check_pages()
+            assert self._step(1.0), "an empty plan while requests are unfinished"
+        assert not self.sched.has_unfinished, f"not finished after {bound} steps"
+        assert not self.live
+        usage = self.sched.page_usage()
+        assert usage.private == 0 and usage.pinned == 0, f"pages leaked: {usage!r}"
+        assert usage.free + usage.cached == usage.total
+
+    # -- invariants ----------------------------------------------------------------------
+    @invariant()
+    def check_pages(self) -> None:
+        if self.sched is None:
+            return
+        assert self.cache is not None and self.backend is not None
+        self.sched.check_invariants()
+        usage = self.sched.page_usage()
+        assert usage.free + usage.cached + usage.private == usage.total
+        for b in self.cache.policy.resident():
+            page = self.cache.page(b)
+            assert page is not None
+            held = tuple(self.backend.pages[page])
+            assert held == self.block_tokens[b], f"cached page {page} holds {held}"
+
+    @invariant()
+    def requests_agree_with_coordinator(self) -> None:
+        if self.sched is None:
+            return
+        assert self.coordinator is not None
+        reqs = self.sched.requests()
+        assert set(reqs) == set(self.live)
+        places = self.coordinator.placements()
+        assert set(places) == set(reqs), "the coordinator and the scheduler disagree on ids"
+        for rid, state in reqs.items():
+            assert (state is RequestState.WAITING) == (places[rid] is Placement.WAITING)

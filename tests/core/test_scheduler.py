@@ -1,0 +1,461 @@
+"""Scheduler: batching, chunked prefill, reuse, publication, flights, pages and every fault."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from prefixflight.core import (
+    LRU,
+    S3FIFO,
+    BlockHasher,
+    ConfigError,
+    FinishReason,
+    FlightConfig,
+    FlightCoordinator,
+    PrefixCache,
+    PublishMode,
+    ReleasePolicy,
+    RequestReport,
+    RequestState,
+    Role,
+    Scheduler,
+    SchedulerConfig,
+    StepResult,
+    UsageError,
+)
+from prefixflight.specs import FakeBackend
+
+BS = 4
+
+
+def make(
+    num_pages: int = 64,
+    *,
+    budget: int = 64,
+    max_running: int = 8,
+    publish: PublishMode = PublishMode.PER_STEP,
+    flight: ReleasePolicy | None = None,
+    cache: PrefixCache | None = None,
+    **flight_kw: object,
+) -> tuple[Scheduler, FakeBackend]:
+    config = SchedulerConfig(
+        num_pages=num_pages,
+        block_size=BS,
+        max_batch_tokens=budget,
+        max_running=min(max_running, budget),
+        publish=publish,
+    )
+    coord = None
+    if flight is not None:
+        coord = FlightCoordinator(FlightConfig(policy=flight, block_size=BS, **flight_kw))  # type: ignore[arg-type]
+    sched = Scheduler(config, cache=cache, coordinator=coord)
+    return sched, FakeBackend(num_pages, BS, lambda rid, pos: 1000 + pos)
+
+
+class Host:
+    """Drives a scheduler on the fake backend; one time unit per step."""
+
+    def __init__(self, sched: Scheduler, backend: FakeBackend) -> None:
+        self.s = sched
+        self.b = backend
+        self.now = 0.0
+        self.reports: dict[object, RequestReport] = {}
+
+    def add(
+        self, rid: object, prompt: Sequence[int], max_new: int = 2, **kw: object
+    ) -> RequestState:
+        self.b.sequences[rid] = list(prompt)  # type: ignore[index]
+        return self.s.add_request(rid, prompt, max_new_tokens=max_new, now=self.now, **kw)  # type: ignore[arg-type]
+
+    def step(self) -> bool:
+        plan = self.s.schedule(self.now)
+        if plan.is_empty:
+            return False
+        result = self.b.run(plan)
+        self.now += 1.0
+        out = self.s.complete_step(result, self.now)
+        for r in out.finished:
+            self.reports[r.request_id] = r
+        self.s.check_invariants()
+        return True
+
+    def drain(self, limit: int = 500) -> None:
+        for _ in range(limit):
+            if not self.s.has_unfinished:
+                return
+            assert self.step(), "stuck with unfinished requests"
+        raise AssertionError("did not drain")
+
+
+def prompt(n: int, base: int = 0) -> list[int]:
+    return [base + i for i in range(n)]
+
+
+def snapshot(s: Scheduler) -> object:
+    return (s.requests(), s.page_usage(), s.stats, s.outstanding, s.now, s.coordinator.placements())
+
+
+# -- configuration ---------------------------------------------------------------------
+def test_config_is_validated() -> None:
+    with pytest.raises(ConfigError, match="num_pages"):
+        SchedulerConfig(num_pages=0)
+    with pytest.raises(ConfigError, match="max_batch_tokens"):
+        SchedulerConfig(num_pages=8, max_running=8, max_batch_tokens=4)
+    with pytest.raises(ConfigError, match="publish"):
+        SchedulerConfig(num_pages=8, publish="per_step")  # type: ignore[arg-type]
+    config = SchedulerConfig(num_pages=8, block_size=BS)
+    with pytest.raises(ConfigError, match="block_size"):
+        Scheduler(config, cache=PrefixCache(LRU(8), 16))
+    with pytest.raises(ConfigError, match="block_size"):
+        Scheduler(config, coordinator=FlightCoordinator(FlightConfig(block_size=16)))
+    cache = PrefixCache(LRU(8), BS)
+    cache.publish([b"x"], [0])
+    with pytest.raises(ConfigError, match="empty"):
+        Scheduler(config, cache=cache)
+
+
+# -- batching and chunked prefill -------------------------------------------------------
+def test_chunked_prefill_then_batched_decode() -> None:
+    h = Host(*make(budget=8))
+    h.add("a", prompt(18), max_new=3)
+    h.add("b", prompt(5, 100), max_new=3)
+    plans = []
+    while h.s.has_unfinished:
+        plans.append(h.s.schedule(h.now))
+        result = h.b.run(plans[-1])
+        h.now += 1
+        for r in h.s.complete_step(result, h.now).finished:
+            h.reports[r.request_id] = r
+    for plan in plans:
+        assert plan.num_tokens <= 8
+    first = plans[0].prefills
+    assert [(p.request_id, p.start, len(p.token_ids), p.sample) for p in first] == [
+        ("a", 0, 8, False)
+    ]
+    # "a" is chunked over the budget; "b" joins as soon as there is room
+    starts = [p.start for plan in plans for p in plan.prefills if p.request_id == "a"]
+    assert starts == [0, 8, 16]
+    # every decode of a step is batched: once both decode they do so together
+    both = [plan for plan in plans if len(plan.decodes) == 2]
+    assert both
+    for rid in ("a", "b"):
+        r = h.reports[rid]
+        assert r.finish_reason is FinishReason.LENGTH
+        assert len(r.output_token_ids) == 3
+        assert r.cached_tokens == 0 and r.computed_prompt_tokens == r.prompt_tokens
+        assert r.output_token_ids == tuple(h.b.sequences[rid][r.prompt_tokens :])
+
+
+def test_stop_token_finishes_early() -> None:
+    sched, backend = make()
+    h = Host(sched, backend)
+    stop = 1000 + 7  # the fake backend samples 1000 + position: position 7 is the 2nd token
+    h.add("a", prompt(6), max_new=10, stop_token_ids=[stop])
+    h.drain()
+    r = h.reports["a"]
+    assert r.finish_reason is FinishReason.STOP
+    assert r.output_token_ids == (1006, 1007)
+
+
+def test_max_running_caps_admission() -> None:
+    h = Host(*make(max_running=2))
+    for i in range(3):
+        h.add(i, prompt(5, 10 * i))
+    h.step()
+    assert h.s.requests() == {
+        0: RequestState.RUNNING,
+        1: RequestState.RUNNING,
+        2: RequestState.QUEUED,
+    }
+    h.drain()
+    assert set(h.reports) == {0, 1, 2}
+
+
+def test_empty_plan_is_not_outstanding() -> None:
+    sched, _ = make()
+    plan = sched.schedule(0.0)
+    assert plan.is_empty and sched.outstanding is None
+    assert sched.schedule(0.0).step == plan.step  # nothing consumed
+
+
+# -- reuse ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("n", [8, 9, 11, 12])
+def test_reuse_is_clamped_so_the_last_prompt_token_is_computed(n: int) -> None:
+    h = Host(*make())
+    h.add("a", prompt(n))
+    h.drain()
+    h.add("b", prompt(n))
+    h.step()
+    table = h.s.page_table("b")
+    h.drain()
+    r = h.reports["b"]
+    assert r.cached_tokens == (n - 1) // BS * BS
+    assert r.computed_prompt_tokens == n - r.cached_tokens >= 1
+    # the reused pages are the ones "a" published, first in the table
+    k = r.cached_tokens // BS
+    blocks = BlockHasher(BS).hash_tokens(prompt(n))
+    assert list(table[:k]) == [h.s.cache.page(b) for b in blocks[:k]]
+
+
+def test_namespaces_never_share_blocks() -> None:
+    h = Host(*make())
+    h.add("a", prompt(12), namespace="t1")
+    h.drain()
+    h.add("b", prompt(12), namespace="t2")
+    h.drain()
+    assert h.reports["b"].cached_tokens == 0
+
+
+def test_incremental_publication_lets_a_late_request_reuse_while_the_first_decodes() -> None:
+    def late_hit(publish: PublishMode) -> int:
+        h = Host(*make(publish=publish))
+        h.add("a", prompt(13), max_new=20)
+        h.step()  # a's prefill
+        h.step()  # a decodes
+        h.add("b", prompt(13), max_new=2)
+        h.drain()
+        return h.reports["b"].cached_tokens
+
+    assert late_hit(PublishMode.PER_STEP) == 12
+    assert late_hit(PublishMode.ON_COMPLETION) == 0
+
+
+def test_publication_includes_decoded_blocks() -> None:
+    h = Host(*make())
+    h.add("a", prompt(6), max_new=8)  # positions 0..12 computed: 3 full blocks
+    h.drain()
+    seq = h.b.sequences["a"]
+    blocks = BlockHasher(BS).hash_tokens(seq[:12])
+    assert all(b in h.s.cache for b in blocks)
+    # a follow-up turn reuses the generated blocks too
+    h.add("b", [*seq, 5, 5])
+    h.drain()
+    assert h.reports["b"].cached_tokens == 12
+
+
+def test_duplicate_blocks_stay_private_and_are_freed() -> None:
+    h = Host(*make())
+    h.add("a", prompt(12), max_new=1)
+    h.add("b", prompt(12), max_new=1)  # independent: both compute the same blocks
+    h.drain()
+    st = h.s.stats
+    assert st.published_blocks == 3 and st.duplicate_blocks == 3
+    usage = h.s.page_usage()
+    assert usage.cached == 3 and usage.private == 0 and usage.free == usage.total - 3
+
+
+# -- single flight --------------------------------------------------------------------------
+@pytest.mark.parametrize("policy", [ReleasePolicy.AFTER_PREFILL, ReleasePolicy.ON_COMPLETION])
+def test_followers_wait_then_reuse_every_full_block(policy: ReleasePolicy) -> None:
+    h = Host(*make(flight=policy, budget=8))
+    n = 21
+    assert h.add("L", prompt(n), max_new=4) is RequestState.QUEUED
+    for f in ("F1", "F2"):
+        assert h.add(f, prompt(n), max_new=4) is RequestState.WAITING
+    h.drain()
+    lead = h.reports["L"]
+    assert lead.role is Role.LEADER and lead.cached_tokens == 0
+    for f in ("F1", "F2"):
+        r = h.reports[f]
+        assert r.role is Role.FOLLOWER
+        assert r.cached_tokens == (n - 1) // BS * BS
+        assert r.flight_wait > 0
+        assert r.admitted_at is not None and r.admitted_at >= r.arrived_at + r.flight_wait
+        if policy is ReleasePolicy.ON_COMPLETION:
+            assert r.admitted_at >= lead.finished_at
+        else:
+            assert lead.first_token_at is not None and r.admitted_at < lead.finished_at
+    assert h.s.stats.prefill_tokens == n + 2 * (n - (n - 1) // BS * BS)
+
+
+def test_on_completion_publication_still_serves_after_prefill_followers() -> None:
+    """Releasing after prefill means publishing the prompt then, even in the baseline mode."""
+    h = Host(*make(flight=ReleasePolicy.AFTER_PREFILL, publish=PublishMode.ON_COMPLETION))
+    h.add("L", prompt(13), max_new=6)
+    h.add("F", prompt(13), max_new=6)
+    h.drain()
+    assert h.reports["F"].cached_tokens == 12
+
+
+def test_leader_abort_promotes_a_follower_that_computes_the_prompt() -> None:
+    h = Host(*make(flight=ReleasePolicy.AFTER_PREFILL, budget=4))
+    h.add("L", prompt(10))
+    h.add("F1", prompt(10))
+    h.add("F2", prompt(10))
+    h.step()  # L computes its first chunk
+    report = h.s.abort("L", h.now)
+    assert report.finish_reason is FinishReason.ABORTED and report.role is Role.LEADER
+    assert h.s.state("F1") is RequestState.QUEUED and h.s.state("F2") is RequestState.WAITING
+    h.drain()
+    assert h.reports["F1"].role is Role.LEADER
+    assert h.reports["F2"].cached_tokens == 8
+    assert h.s.coordinator.stats.promotions == 1
+
+
+def test_max_wait_releases_a_follower_to_compute_alone() -> None:
+    h = Host(*make(flight=ReleasePolicy.ON_COMPLETION, max_wait=2.0))
+    h.add("L", prompt(9), max_new=10)
+    h.add("F", prompt(9), max_new=2)
+    h.drain()
+    f = h.reports["F"]
+    assert f.flight_wait > 2.0
+    assert h.reports["L"].finished_at > f.arrived_at + f.flight_wait  # did not wait to the end
+    assert h.s.coordinator.stats.timeouts == 1
+
+
+# -- aborts -----------------------------------------------------------------------------------
+def test_abort_during_a_step_frees_pages_when_the_step_completes() -> None:
+    h = Host(*make())
+    h.add("a", prompt(10), max_new=4)
+    h.add("b", prompt(7, 50), max_new=4)
+    plan = h.s.schedule(h.now)
+    result = h.b.run(plan)
+    private_before = h.s.page_usage().private
+    r = h.s.abort("a", h.now)
+    assert r.finish_reason is FinishReason.ABORTED and r.finished_step is None
+    assert h.s.state("a") is None
+    assert h.s.page_usage().private == private_before  # the backend is still writing them
+    with pytest.raises(UsageError, match="duplicate"):
+        h.s.add_request("a", prompt(3), max_new_tokens=1, now=h.now)
+    out = h.s.complete_step(result, h.now + 1)
+    assert [rid for rid, _ in out.tokens] == ["b"]  # a's token is ignored
+    h.s.check_invariants()
+    assert h.s.page_usage().private < private_before
+    with pytest.raises(UsageError, match="unknown"):
+        h.s.abort("a", h.now + 1)
+
+
+@pytest.mark.parametrize("where", ["queued", "waiting", "running"])
+def test_abort_anywhere_leaves_no_trace(where: str) -> None:
+    h = Host(*make(flight=ReleasePolicy.AFTER_PREFILL, max_running=1))
+    h.add("L", prompt(9))
+    h.add("F", prompt(9))
+    h.add("Q", prompt(5, 50))
+    h.step()
+    rid = {"queued": "Q", "waiting": "F", "running": "L"}[where]
+    h.s.abort(rid, h.now)
+    h.s.check_invariants()
+    h.drain()
+    assert rid not in h.reports
+    usage = h.s.page_usage()
+    assert usage.private == 0 and usage.pinned == 0
+
+
+# -- pages --------------------------------------------------------------------------------------
+def test_backpressure_waits_for_pages_and_changes_nothing() -> None:
+    # each request needs ceil((8 + 4 - 1) / 4) = 3 pages; the pool has 5
+    h = Host(*make(num_pages=5))
+    h.add("a", prompt(8, 0), max_new=4)
+    h.add("b", prompt(8, 100), max_new=4)
+    h.step()
+    assert h.s.requests() == {"a": RequestState.RUNNING, "b": RequestState.QUEUED}
+    assert h.s.stats.admission_stalls == 1
+    h.drain()
+    assert h.reports["b"].admitted_at is not None
+    assert h.reports["b"].admitted_at >= h.reports["a"].finished_at
+
+
+def test_admission_evicts_unpinned_blocks_never_pinned_ones() -> None:
+    h = Host(*make(num_pages=8))
+    h.add("a", prompt(9, 0), max_new=4)  # 3 pages
+    h.drain()  # a's 3 computed blocks are cached
+    assert h.s.page_usage().cached == 3
+    h.add("b", prompt(9, 0), max_new=8)  # reuses 2 cached blocks, pins them, needs 2 more
+    h.add("c", prompt(12, 500), max_new=9)  # needs 5 pages: must evict, but not b's pins
+    h.drain()
+    assert h.reports["b"].cached_tokens == 8
+    assert h.s.stats.evicted_blocks >= 1
+
+
+def test_request_larger_than_the_pool_is_rejected() -> None:
+    sched, _ = make(num_pages=2)
+    with pytest.raises(UsageError, match="needs 3 pages"):
+        sched.add_request("a", prompt(9), max_new_tokens=1, now=0.0)
+
+
+def test_eviction_is_chain_aware() -> None:
+    # budget 4 = one block per step: a's blocks are published in three different steps,
+    # so LRU holds the parent as the oldest; evicting it takes its descendants along
+    h = Host(*make(num_pages=6, budget=4))
+    h.add("a", prompt(13, 0), max_new=1)  # 4 pages, 3 full blocks cached at the end
+    h.drain()
+    assert h.s.page_usage().cached == 3
+    h.add("b", prompt(13, 100), max_new=1)  # 4 pages: 2 free, 2 must come from the cache
+    h.drain()
+    st = h.s.stats
+    # LRU picks a's first block (published first, so least recent); its two descendants
+    # become unreachable and go with it: one eviction frees three pages
+    assert (st.evicted_blocks, st.orphans_evicted) == (1, 2)
+    # no cached block is unreachable
+    resident = h.s.cache.policy.resident()
+    blocks = BlockHasher(BS).hash_tokens(prompt(13, 0))
+    reachable = blocks[: h.s.cache.lookup(blocks)]
+    assert resident & set(blocks) == set(reachable)
+
+
+def test_s3fifo_cache_with_a_small_capacity_keeps_pages_consistent() -> None:
+    cache = PrefixCache(S3FIFO(3), BS)
+    h = Host(*make(num_pages=12, cache=cache))
+    for i in range(6):
+        h.add(i, prompt(9 + i, 7 * (i % 2)), max_new=3)
+        h.step()
+    h.drain()
+    usage = h.s.page_usage()
+    assert usage.cached <= 3 and usage.private == 0 and usage.pinned == 0
+    assert usage.free + usage.cached == 12
+
+
+# -- rejected calls leave the state unchanged ---------------------------------------------
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda s: s.add_request("a", [1, 2], max_new_tokens=1, now=1.0),  # duplicate
+        lambda s: s.add_request("z", [], max_new_tokens=1, now=1.0),
+        lambda s: s.add_request("z", [1, -2], max_new_tokens=1, now=1.0),
+        lambda s: s.add_request("z", [1, True], max_new_tokens=1, now=1.0),
+        lambda s: s.add_request("z", [1], max_new_tokens=0, now=1.0),
+        lambda s: s.add_request("z", [1], max_new_tokens=1, now=0.5),  # time went backwards
+        lambda s: s.add_request(1.5, [1], max_new_tokens=1, now=1.0),
+        lambda s: s.abort("nobody", 1.0),
+        lambda s: s.schedule(0.0),
+        lambda s: s.complete_step(StepResult(step=0), 1.0),  # nothing outstanding
+        lambda s: s.page_table("nobody"),
+    ],
+)
+def test_rejected_calls_leave_the_state_unchanged(call: object) -> None:
+    h = Host(*make(flight=ReleasePolicy.AFTER_PREFILL))
+    h.add("a", prompt(6))
+    h.add("b", prompt(6))
+    h.step()
+    before = snapshot(h.s)
+    with pytest.raises(UsageError):
+        call(h.s)  # type: ignore[operator]
+    assert snapshot(h.s) == before
+    h.s.check_invariants()
+
+
+@pytest.mark.parametrize("kind", ["wrong_step", "missing", "extra", "twice", "negative", "bool"])
+def test_rejected_results_leave_the_state_unchanged(kind: str) -> None:
+    h = Host(*make())
+    h.add("a", prompt(6))
+    h.add("b", prompt(6, 50))
+    plan = h.s.schedule(0.0)
+    good = h.b.run(plan)
+    bad = {
+        "wrong_step": StepResult(step=plan.step + 1, sampled=good.sampled),
+        "missing": StepResult(step=plan.step, sampled=good.sampled[1:]),
+        "extra": StepResult(step=plan.step, sampled=(*good.sampled, ("c", 1))),
+        "twice": StepResult(step=plan.step, sampled=(*good.sampled, good.sampled[0])),
+        "negative": StepResult(step=plan.step, sampled=(("a", -1), good.sampled[1])),
+        "bool": StepResult(step=plan.step, sampled=(("a", True), good.sampled[1])),
+    }[kind]
+    before = snapshot(h.s)
+    with pytest.raises(UsageError):
+        h.s.complete_step(bad, 1.0)
+    assert snapshot(h.s) == before
+    with pytest.raises(UsageError, match="outstanding"):
+        h.s.schedule(1.0)
+    h.s.complete_step(good, 1.0)
+    h.s.check_invariants()

@@ -1,0 +1,60 @@
+"""Scheduler + cache + coordinator on the fake backend, and the machine against broken ones."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from prefixflight.core import FlightCoordinator, PrefixCache, Scheduler, SchedulerConfig
+from prefixflight.specs import SchedulerMachine
+
+SETTINGS = settings(
+    max_examples=150,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    report_multiple_bugs=False,
+)
+# finding the bug is what matters, not shrinking it
+MUTANT_SETTINGS = settings(SETTINGS, phases=(Phase.explicit, Phase.reuse, Phase.generate))
+
+
+def test_scheduler_machine() -> None:
+    run_state_machine_as_test(SchedulerMachine, settings=SETTINGS)
+
+
+class _LeaksPages(Scheduler):  # type: ignore[misc]
+    """Forgets to free the private pages of ended requests."""
+
+    def _end(self, req: Any) -> None:
+        self._unpin(req.pinned)
+        req.pinned = []
+        req.private = set()
+
+
+class _PublishesEarly(Scheduler):  # type: ignore[misc]
+    """Publishes a block one step before all its tokens are computed."""
+
+    def _publish(self, req: Any, upto: int) -> None:
+        bs = self.config.block_size
+        limit = min(len(req.pages), (len(req.prompt) + len(req.output)) // bs)
+        super()._publish(req, min(upto + 1, limit))
+
+
+def _factory(cls: type[Scheduler]) -> Callable[..., Scheduler]:
+    def make(config: SchedulerConfig, cache: PrefixCache, coord: FlightCoordinator) -> Scheduler:
+        return cls(config, cache=cache, coordinator=coord)
+
+    make.__name__ = cls.__name__.strip("_")
+    return make
+
+
+@pytest.mark.parametrize("broken", [_LeaksPages, _PublishesEarly])
+def test_machine_catches_broken_schedulers(broken: type[Scheduler]) -> None:
+    machine = SchedulerMachine.for_factory(_factory(broken))
+    with pytest.raises(AssertionError):
+        run_state_machine_as_test(machine, settings=MUTANT_SETTINGS)
