@@ -286,15 +286,18 @@ class _Request:
     def prompt_done(self) -> bool:
         return self.num_computed >= len(self.prompt)
 
-    def token_at(self, position: int) -> int:
-        n = len(self.prompt)
-        return self.prompt[position] if position < n else self.output[position - n]
-
     def sequence(self, end: int) -> list[int]:
+        """Tokens at positions ``[0, end)``."""
+        return self.tokens(0, end)
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Tokens at positions ``[start, end)`` (prompt, then output)."""
         n = len(self.prompt)
         if end <= n:
-            return list(self.prompt[:end])
-        return [*self.prompt, *self.output[: end - n]]
+            return list(self.prompt[start:end])
+        if start >= n:
+            return self.output[start - n : end - n]
+        return [*self.prompt[start:], *self.output[: end - n]]
 
 
 def _pages_for(num_prompt: int, max_new: int, block_size: int) -> int:
@@ -459,9 +462,9 @@ class Scheduler:
         prompt = tuple(prompt_token_ids)
         if not prompt:
             raise UsageError(f"request {request_id!r} has an empty prompt")
-        bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or t < 0]
-        if bad:
-            raise UsageError(f"request {request_id!r}: token ids must be ints >= 0, got {bad[0]!r}")
+        if set(map(type, prompt)) != {int} or min(prompt) < 0:
+            bad = next(t for t in prompt if type(t) is not int or t < 0)
+            raise UsageError(f"request {request_id!r}: token ids must be ints >= 0, got {bad!r}")
         check_int("max_new_tokens", max_new_tokens, minimum=1)
         stop = frozenset(stop_token_ids)
         self._check_now(now)
@@ -757,7 +760,7 @@ class Scheduler:
             parent = req.hashes[j - 1] if j else None
             try:
                 evicted = cache.publish(
-                    (h,), (page,), parent=parent, token_ids=req.sequence((j + 1) * bs)[j * bs :]
+                    (h,), (page,), parent=parent, token_ids=req.tokens(j * bs, (j + 1) * bs)
                 )
             except CapacityError:
                 admitted = False
