@@ -39,7 +39,8 @@ def test_simulate_flight_prints_tables_and_writes_json(
         == 0
     )
     text = capsys.readouterr().out
-    for title in ("Incremental publication", "Single flight", "Late arrival", "findings"):
+    for title in ("Incremental publication", "Single flight", "Late arrival", "Partial-prefix",
+                  "findings"):  # fmt: skip
         assert title in text
     data = json.loads(out.read_text())
     policies = {

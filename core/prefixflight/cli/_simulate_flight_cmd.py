@@ -239,21 +239,23 @@ def run(args: argparse.Namespace) -> int:
         f"{cost.decode_per_request * 1e3:.2f} ms x decodes; block 16, "
         f"max {sim.max_batch_tokens} tokens/step, {out_n} output tokens\n\n"
     )
-    w("## Incremental publication vs publish-on-completion\n")
-    w("One request starts; at its first token N followers with the same prompt arrive.\n\n")
+    w("**Incremental publication vs publish-on-completion.** One request starts; at its first\n")
+    w("token N followers with the same prompt arrive (no single flight).\n\n")
     w(_incremental(inc) + "\n\n")
-    w("## Single flight: N identical requests arriving together\n")
-    w("Baseline: independent execution, publish on completion.\n\n")
+    w("**Single flight: N identical requests arrive together.** Baseline: independent\n")
+    w("execution, publish on completion.\n\n")
     w(_single(sf) + "\n\n")
-    w(f"## Late arrival: the second request arrives after {args.late_after_tokens} tokens\n\n")
+    w(f"**Late arrival.** The second request arrives once the first has produced "
+      f"{args.late_after_tokens} tokens.\n\n")  # fmt: skip
     w(_late(late) + "\n\n")
-    w("## Partial-prefix coordination (4 requests, shared document + own tail)\n")
-    w(f"overhead-bound: the same model with prefill {OVERHEAD_BOUND_PREFILL_DIVISOR}x cheaper "
-      "per token (a GPU-like regime where the per-step cost dominates).\n\n")  # fmt: skip
+    w("**Partial-prefix coordination.** 4 requests share a document and differ in their\n")
+    w("tail, arriving together. overhead-bound: the same model with prefill "
+      f"{OVERHEAD_BOUND_PREFILL_DIVISOR}x cheaper\nper token (a GPU-like regime where the "
+      "per-step cost dominates).\n\n")  # fmt: skip
     w(_partial(part) + "\n\n")
-    w("## Seed 000's subtler findings vs the decode step's fixed share\n")
-    w("Batch-1 decode and the full prefill keep their measured times; the share of the\n")
-    w("batch-1 decode step that does not grow with the batch varies.\n\n")
+    w("**Seed 000's subtler findings vs the decode step's fixed share.** Batch-1 decode and\n")
+    w("the full prefill keep their measured times; the share of the batch-1 decode step that\n")
+    w("does not grow with the batch varies (0.76 is the calibrated split).\n\n")
     w(_findings(finds) + "\n")
     if args.json:
         data = {

@@ -318,8 +318,9 @@ class FlightCoordinator:
         self._by_key: dict[FlightKey, _Flight] = {}
         self._leading: dict[RequestId, _Flight] = {}
         self._waiting: dict[RequestId, _Flight] = {}
-        self._released: set[RequestId] = set()
-        self._independent: set[RequestId] = set()
+        # released / independent ids until they terminate (dicts: deterministic order)
+        self._released: dict[RequestId, None] = {}
+        self._independent: dict[RequestId, None] = {}
         # (depth, block hash) -> open flights whose leader's prompt has that block at that
         # depth (>= min_shared_blocks - 1), oldest flight first; partial-prefix coordination
         self._prefix_index: dict[tuple[int, BlockHash], dict[int, _Flight]] = {}
@@ -442,7 +443,7 @@ class FlightCoordinator:
         rid = ev.request_id
         cfg = self._config
         if cfg.policy is ReleasePolicy.INDEPENDENT:
-            self._independent.add(rid)
+            self._independent[rid] = None
             out.append(Independent(request_id=rid))
             return
         flight = self._by_key.get(ev.key)
@@ -536,8 +537,8 @@ class FlightCoordinator:
             if flight.followers.pop(rid, None) is None:
                 del flight.partial[rid]
             return
-        self._released.discard(rid)
-        self._independent.discard(rid)
+        self._released.pop(rid, None)
+        self._independent.pop(rid, None)
 
     def _release_partial(
         self,
@@ -559,7 +560,7 @@ class FlightCoordinator:
         for r in ready:
             need, arrived, n = flight.partial.pop(r)
             del self._waiting[r]
-            self._released.add(r)
+            self._released[r] = None
             self._note_wait(arrived, now)
             if reason is ReleaseReason.BLOCKS_PUBLISHED:
                 self._stats.tokens_not_recomputed += min(need * bs, max(n - 1, 0) // bs * bs)
@@ -584,13 +585,13 @@ class FlightCoordinator:
         assert not flight.partial, "partial waiters are released before a flight closes"
         if flight.leader is not None:
             del self._leading[flight.leader]
-            self._released.add(flight.leader)
+            self._released[flight.leader] = None
             flight.leader = None
         if flight.followers:
             ids = tuple(flight.followers)
             for r, arrived in flight.followers.items():
                 del self._waiting[r]
-                self._released.add(r)
+                self._released[r] = None
                 self._note_wait(arrived, now)
             if flight.done:
                 self._stats.tokens_not_recomputed += len(ids) * self._reusable(flight.key)
@@ -617,7 +618,7 @@ class FlightCoordinator:
             else:
                 arrived = flight.partial.pop(rid)[1]
             del self._waiting[rid]
-            self._released.add(rid)
+            self._released[rid] = None
             self._note_wait(arrived, now)
             self._stats.timeouts += 1
             out.append(Release(flight=fid, request_ids=(rid,), reason=ReleaseReason.TIMEOUT))
@@ -633,7 +634,7 @@ class FlightCoordinator:
     # -- checks --------------------------------------------------------------------------
     def check_invariants(self) -> None:
         """Raise `AssertionError` if the internal state is inconsistent."""
-        sets = [set(self._leading), set(self._waiting), self._released, self._independent]
+        sets = [set(self._leading), set(self._waiting), set(self._released), set(self._independent)]
         total = sum(len(s) for s in sets)
         assert len(set().union(*sets)) == total, "a request id is in two places"
         assert len(self._by_key) == len(self._flights), "one flight per key"
