@@ -17,7 +17,7 @@ from prefixflight.core import (
 )
 from prefixflight.specs import FlightCoordinatorMachine
 
-SETTINGS = settings(
+_BOUNDED = settings(
     max_examples=150,
     stateful_step_count=40,
     deadline=None,
@@ -25,11 +25,12 @@ SETTINGS = settings(
     report_multiple_bugs=False,
 )
 # finding the bug is what matters, not shrinking it
-MUTANT_SETTINGS = settings(SETTINGS, phases=(Phase.explicit, Phase.reuse, Phase.generate))
+MUTANT_SETTINGS = settings(_BOUNDED, phases=(Phase.explicit, Phase.reuse, Phase.generate))
 
 
-def test_coordinator_matches_model() -> None:
-    run_state_machine_as_test(FlightCoordinatorMachine, settings=SETTINGS)
+TestFlightCoordinator = (
+    FlightCoordinatorMachine.TestCase
+)  # the profile's examples and steps (ci, dev, soak)
 
 
 class _ReleasesEarly:

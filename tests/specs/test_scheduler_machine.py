@@ -12,7 +12,7 @@ from hypothesis.stateful import run_state_machine_as_test
 from prefixflight.core import FlightCoordinator, PrefixCache, Scheduler, SchedulerConfig
 from prefixflight.specs import SchedulerMachine
 
-SETTINGS = settings(
+_BOUNDED = settings(
     max_examples=150,
     stateful_step_count=50,
     deadline=None,
@@ -20,11 +20,10 @@ SETTINGS = settings(
     report_multiple_bugs=False,
 )
 # finding the bug is what matters, not shrinking it
-MUTANT_SETTINGS = settings(SETTINGS, phases=(Phase.explicit, Phase.reuse, Phase.generate))
+MUTANT_SETTINGS = settings(_BOUNDED, phases=(Phase.explicit, Phase.reuse, Phase.generate))
 
 
-def test_scheduler_machine() -> None:
-    run_state_machine_as_test(SchedulerMachine, settings=SETTINGS)
+TestScheduler = SchedulerMachine.TestCase  # the profile's examples and steps (ci, dev, soak)
 
 
 class _LeaksPages(Scheduler):  # type: ignore[misc]

@@ -311,12 +311,26 @@ class SchedulerMachine(RuleBasedStateMachine):
     def schedule(self, dt: float) -> None:
         assert self.backend is not None
         self.now += dt
+        decoding = {  # requests whose first token is out: they must all decode now
+            rid
+            for rid, (prompt, *_) in self.live.items()
+            if len(self.backend.sequences[rid]) > len(prompt)
+        }
+        stalls = self.sched.stats.admission_stalls
         plan = self.sched.schedule(self.now)
         note(f"schedule({self.now}) -> {plan!r}")
         cfg = self.sched.config
         assert plan.num_tokens <= cfg.max_batch_tokens
         ids = [p.request_id for p in plan.prefills] + [d.request_id for d in plan.decodes]
         assert len(ids) == len(set(ids)) <= cfg.max_running
+        assert {d.request_id for d in plan.decodes} == decoding, "every decoding request decodes"
+        full = plan.num_tokens == cfg.max_batch_tokens
+        for p in plan.prefills:  # a prompt is cut short only when the budget runs out
+            assert p.sample or full, f"{p.request_id!r} chunked with budget left"
+        states = self.sched.requests().values()
+        running = sum(s is RequestState.RUNNING for s in states)
+        if not full and running < cfg.max_running and RequestState.QUEUED in states:
+            assert self.sched.stats.admission_stalls == stalls + 1, "admission left work idle"
         if plan.is_empty:
             assert self.sched.outstanding is None
             self.plan = None
