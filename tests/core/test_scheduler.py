@@ -416,6 +416,7 @@ def test_s3fifo_cache_with_a_small_capacity_keeps_pages_consistent() -> None:
         lambda s: s.add_request("z", [1, -2], max_new_tokens=1, now=1.0),
         lambda s: s.add_request("z", [1, True], max_new_tokens=1, now=1.0),
         lambda s: s.add_request("z", [1], max_new_tokens=0, now=1.0),
+        lambda s: s.add_request("z", [1], max_new_tokens=1, now=1.0, stop_token_ids=["x"]),
         lambda s: s.add_request("z", [1], max_new_tokens=1, now=0.5),  # time went backwards
         lambda s: s.add_request(1.5, [1], max_new_tokens=1, now=1.0),
         lambda s: s.abort("nobody", 1.0),

@@ -467,6 +467,8 @@ class Scheduler:
             raise UsageError(f"request {request_id!r}: token ids must be ints >= 0, got {bad!r}")
         check_int("max_new_tokens", max_new_tokens, minimum=1)
         stop = frozenset(stop_token_ids)
+        if any(type(t) is not int for t in stop):
+            raise UsageError(f"request {request_id!r}: stop token ids must be ints, got {stop!r}")
         self._check_now(now)
         bs = self._config.block_size
         need = _pages_for(len(prompt), max_new_tokens, bs)
