@@ -120,6 +120,7 @@ def test_different_prompts_never_share_a_flight() -> None:
         PrefillDone(request_id=2, now=1.0),  # a waiting follower cannot prefill
         Finished(request_id=2, now=1.0),  # ... nor finish
         Tick(now=-1.0),  # time going backwards
+        "tick",  # not an event
     ],
 )
 def test_rejected_events_leave_the_state_unchanged(event: object) -> None:

@@ -165,6 +165,7 @@ class Tick:
 
 
 FlightEvent: TypeAlias = Arrived | Progress | PrefillDone | Finished | Aborted | Tick
+_EVENT_TYPES = (Arrived, Progress, PrefillDone, Finished, Aborted, Tick)
 
 
 # -- decisions ---------------------------------------------------------------------------
@@ -384,6 +385,8 @@ class FlightCoordinator:
     # -- the one entry point -------------------------------------------------------------
     def handle(self, event: FlightEvent) -> tuple[FlightDecision, ...]:
         """Apply one event; return the decisions to carry out, in order."""
+        if not isinstance(event, _EVENT_TYPES):
+            raise UsageError(f"not a flight event: {event!r}")
         now = float(event.now)
         if now < self._now:
             raise UsageError(f"time went backwards: now={event.now!r} < {self._now!r}")
