@@ -256,3 +256,14 @@ def test_flight_key_is_exact() -> None:
     assert FlightKey.of([1, 2, 3], "x") != FlightKey.of([1, 2, 3], "y")
     with pytest.raises(UsageError):
         FlightKey.of([1 << 70])
+
+
+def test_partial_waiter_abort_just_leaves() -> None:
+    c = FlightCoordinator(FlightConfig(min_shared_blocks=1, block_size=4))
+    a, b = tuple(range(1, 13)), (1, 2, 3, 4, 9)
+    c.handle(arrive(1, key=FlightKey.of(a), blocks=_blocks(a)))
+    c.handle(arrive(2, key=FlightKey.of(b), blocks=_blocks(b)))
+    assert c.handle(Aborted(request_id=2, now=1.0)) == ()
+    assert c.flights() == {0: (1, ())}
+    assert c.handle(PrefillDone(request_id=1, now=2.0)) == ()
+    c.check_invariants()

@@ -327,14 +327,33 @@ def test_abort_during_a_step_frees_pages_when_the_step_completes() -> None:
         h.s.abort("a", h.now + 1)
 
 
+def test_abort_of_a_decoding_request_during_a_step() -> None:
+    h = Host(*make())
+    h.add("a", prompt(5), max_new=5)
+    h.add("b", prompt(5, 50), max_new=5)
+    h.step()  # both prefill; next step both decode
+    plan = h.s.schedule(h.now)
+    assert {d.request_id for d in plan.decodes} == {"a", "b"}
+    result = h.b.run(plan)
+    h.s.abort("b", h.now)
+    out = h.s.complete_step(result, h.now + 1)
+    assert [rid for rid, _ in out.tokens] == ["a"]
+    h.s.check_invariants()
+    cached = {h.s.cache.page(b) for b in h.s.cache.policy.resident()}
+    # only a's pages that are not published yet are private: b's went back to the pool
+    assert h.s.page_usage().private == sum(p not in cached for p in h.s.page_table("a"))
+
+
 @pytest.mark.parametrize("where", ["queued", "waiting", "running"])
 def test_abort_anywhere_leaves_no_trace(where: str) -> None:
-    h = Host(*make(flight=ReleasePolicy.AFTER_PREFILL, max_running=1))
+    # budget 4: L's 9-token prompt takes three steps, so F still waits after the first
+    h = Host(*make(flight=ReleasePolicy.AFTER_PREFILL, max_running=1, budget=4))
     h.add("L", prompt(9))
     h.add("F", prompt(9))
     h.add("Q", prompt(5, 50))
     h.step()
     rid = {"queued": "Q", "waiting": "F", "running": "L"}[where]
+    assert h.s.state(rid) is RequestState[where.upper()]
     h.s.abort(rid, h.now)
     h.s.check_invariants()
     h.drain()

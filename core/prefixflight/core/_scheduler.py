@@ -790,9 +790,10 @@ class Scheduler:
         """Undo a partial deepest-first publication: the blocks go back to the request."""
         cache = self._cache
         for h, page in done:
+            # never a duplicate: a cached block's parent is cached too, so the block that
+            # failed (not cached) has no cached descendant
+            assert page is not None
             self._unpin((h,))
-            if page is None:
-                continue  # a duplicate stays cached: it belongs to whoever published it
             assert h not in self._pins and not self._children.get(h)
             removed = cache.remove(h)
             assert removed == page
@@ -809,27 +810,27 @@ class Scheduler:
         free = self._free
         stats = self._stats
         for block, page in evicted:
+            assert page is not None, "every cached block holds a page"
             stats.evicted_blocks += 1
-            if page is not None:
-                free.append(page)
+            free.append(page)
             parent = self._parent.pop(block, None)
             if parent is not None:
-                siblings = self._children.get(parent)
-                if siblings is not None:
-                    siblings.discard(block)
-                    if not siblings:
-                        del self._children[parent]
+                siblings = self._children[parent]
+                siblings.discard(block)
+                if not siblings:
+                    del self._children[parent]
             stack = list(self._children.pop(block, ()))
             while stack:
                 child = stack.pop()
-                self._parent.pop(child, None)
+                del self._parent[child]
                 stack.extend(self._children.pop(child, ()))
-                if child in cache:
-                    assert child not in self._pins, "a pinned block lost its parent"
-                    orphan_page = cache.remove(child)
-                    if orphan_page is not None:
-                        free.append(orphan_page)
-                    stats.orphans_evicted += 1
+                if child not in cache:
+                    continue  # evicted by the policy in this same batch: freed in its turn
+                assert child not in self._pins, "a pinned block lost its parent"
+                orphan_page = cache.remove(child)
+                assert orphan_page is not None
+                free.append(orphan_page)
+                stats.orphans_evicted += 1
 
     def _pin(self, blocks: Sequence[BlockHash]) -> None:
         self._cache.pin(blocks)
