@@ -4,10 +4,10 @@ A backend step of SmolLM2-135M on CPU takes 35-95 ms (MODEL.md); the scheduler's
 step (plan building, result checking, publication, admission) must be small next to it. For R
 running requests (8, 64, 512) this times ``schedule`` + ``complete_step`` in two phases:
 decode-only steps (every request decodes; a block completes every 16 steps and is published)
-and a prefill burst (R requests of 512 tokens admitted and prefilled in 512-token chunks,
-half of them sharing their prompt with an earlier one, so admission looks up, pins and
-reuses). Sizes are interleaved and repeated; the table shows microseconds per step and per
-request in the step.
+and a prefill burst (R requests of 512 tokens admitted and prefilled under a budget of R + 512
+tokens per step, half of them sharing their prompt with an earlier one, so admission looks
+up, pins and reuses). Sizes are interleaved and repeated; the table shows microseconds per
+step and per request in the step.
 
     python benchmarks/scheduler_overhead.py [--rounds 5] [--json FILE]
 """

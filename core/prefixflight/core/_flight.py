@@ -322,9 +322,10 @@ class FlightCoordinator:
         # released / independent ids until they terminate (dicts: deterministic order)
         self._released: dict[RequestId, None] = {}
         self._independent: dict[RequestId, None] = {}
-        # (depth, block hash) -> open flights whose leader's prompt has that block at that
-        # depth (>= min_shared_blocks - 1), oldest flight first; partial-prefix coordination
-        self._prefix_index: dict[tuple[int, BlockHash], dict[int, _Flight]] = {}
+        # partial-prefix coordination: block hash -> open flights whose leader's prompt has
+        # that block at depth >= min_shared_blocks - 1, oldest first. Hashes are chained
+        # (`BlockHasher`), so a hash also fixes its depth and the whole prefix before it.
+        self._prefix_index: dict[BlockHash, list[_Flight]] = {}
         self._deadlines: deque[tuple[float, RequestId, int]] = deque()
         self._next_id = 0
         self._now = float("-inf")
@@ -478,7 +479,7 @@ class FlightCoordinator:
         if cfg.min_shared_blocks is not None:
             index = self._prefix_index
             for i in range(cfg.min_shared_blocks - 1, len(ev.blocks)):
-                index.setdefault((i, ev.blocks[i]), {})[flight.id] = flight
+                index.setdefault(ev.blocks[i], []).append(flight)
         out.append(Lead(request_id=rid, flight=flight.id))
 
     def _partial_match(self, blocks: tuple[BlockHash, ...]) -> tuple[_Flight, int] | None:
@@ -490,9 +491,9 @@ class FlightCoordinator:
         best: _Flight | None = None
         shared = 0
         for i in range(m - 1, len(blocks)):  # chained hashes: a hit at depth i is a hit
-            fs = index.get((i, blocks[i]))  # on the whole prefix, so keep the deepest
+            fs = index.get(blocks[i])  # on the whole prefix, so keep the deepest
             if fs:
-                best, shared = next(iter(fs.values())), i + 1
+                best, shared = fs[0], i + 1
         if best is None or best.done or best.published >= shared:
             return None  # nothing to wait for: the shared blocks are already published
         return best, shared
@@ -579,12 +580,11 @@ class FlightCoordinator:
         if m is not None:
             index = self._prefix_index
             for i in range(m - 1, len(flight.blocks)):
-                ib = (i, flight.blocks[i])
-                fs = index.get(ib)
-                if fs is not None:
-                    fs.pop(flight.id, None)
-                    if not fs:
-                        del index[ib]
+                b = flight.blocks[i]
+                fs = index[b]
+                fs.remove(flight)
+                if not fs:
+                    del index[b]
         assert not flight.partial, "partial waiters are released before a flight closes"
         if flight.leader is not None:
             del self._leading[flight.leader]
@@ -656,7 +656,7 @@ class FlightCoordinator:
             assert self._flights[f.id] is f
         for fs in self._prefix_index.values():
             assert fs, "empty prefix index entry"
-            for f in fs.values():
+            for f in fs:
                 assert self._flights.get(f.id) is f, "stale prefix index entry"
 
 
