@@ -8,13 +8,17 @@ from collections.abc import Callable, Sequence
 
 from prefixflight.core import PrefixflightError
 
-from . import _replay_cmd, _simulate_cmd
+from . import _replay_cmd, _simulate_cmd, _sweep_cmd
 
 __all__ = ["main"]
 
 Register = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], None]
 
-COMMANDS: tuple[Register, ...] = (_replay_cmd.register, _simulate_cmd.register)
+COMMANDS: tuple[Register, ...] = (
+    _replay_cmd.register,
+    _simulate_cmd.register,
+    _sweep_cmd.register,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

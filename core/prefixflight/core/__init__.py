@@ -27,6 +27,7 @@ from ._cluster import (
     simulate,
     trace_workload,
 )
+from ._curves import CurvePoint, LRUCurve, auto_capacities, lru_curve
 from ._errors import CapacityError, ConfigError, PrefixflightError, TraceFormatError, UsageError
 from ._flight import (
     Aborted,
@@ -112,6 +113,7 @@ __all__ = [
     "ClusterConfig",
     "ConfigError",
     "CostModel",
+    "CurvePoint",
     "DecodeWork",
     "EvictionPolicy",
     "FindingsRow",
@@ -128,6 +130,7 @@ __all__ = [
     "HashAlgorithm",
     "Independent",
     "KVEvent",
+    "LRUCurve",
     "Lead",
     "LeastLoadedRouter",
     "NoAffinity",
@@ -174,7 +177,9 @@ __all__ = [
     "Wait",
     "Workload",
     "assign_batch",
+    "auto_capacities",
     "grpo_workload",
+    "lru_curve",
     "parse_trace_line",
     "replay",
     "simulate",
