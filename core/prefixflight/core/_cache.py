@@ -7,12 +7,13 @@ numbers: they only add bookkeeping around the policy's decisions.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Container, Sequence
 from typing import TypeAlias, final
 
 import attrs
 
-from ._errors import UsageError
+from ._errors import CapacityError, UsageError
 from ._hashing import BlockHash
 from ._policies import EvictionPolicy
 from ._validate import check_int
@@ -86,8 +87,10 @@ class PrefixCache:
     """
 
     __slots__ = (
+        "_access_into",
         "_block_size",
         "_blocks",
+        "_evict_many",
         "_evictions",
         "_hit_blocks",
         "_hit_tokens",
@@ -95,6 +98,7 @@ class PrefixCache:
         "_policy",
         "_prompt_tokens",
         "_requests",
+        "_resident",
         "_sink",
     )
 
@@ -107,6 +111,14 @@ class PrefixCache:
     ) -> None:
         check_int("block_size", block_size, minimum=1)
         self._policy = policy
+        # optional batch hook of the built-in policies (see S3FIFO.access_into)
+        self._access_into: Callable[[Sequence[BlockHash], list[BlockHash]], int] | None = (
+            getattr(policy, "access_into", None)
+        )
+        evict_many = getattr(policy, "evict_many", None)
+        self._evict_many: Callable[[int], list[BlockHash]] | None = evict_many
+        view = getattr(policy, "resident_view", None)
+        self._resident: Container[BlockHash] = policy if view is None else view()
         self._block_size = block_size
         self._sink = event_sink
         self._pages: dict[BlockHash, int] = {}
@@ -208,28 +220,85 @@ class PrefixCache:
             raise UsageError(
                 f"got {len(token_ids)} token ids for {len(blocks)} blocks of {self._block_size}"
             )
+        if self._sink is None and self._access_into is not None:
+            return self._publish_batch(blocks, pages)[0]
         return self._access_with_events(blocks, pages, parent=parent, token_ids=token_ids)
+
+    def publish_pages(
+        self,
+        blocks: Sequence[BlockHash],
+        pages: Sequence[int],
+        *,
+        parent: BlockHash | None = None,
+        token_ids: Sequence[int] | None = None,
+    ) -> tuple[list[tuple[BlockHash, int | None]], list[int]]:
+        """`publish`, also returning the pages the cache did not keep.
+
+        Returns ``(evicted, unused)``: ``evicted`` as `publish` returns it, and ``unused``,
+        the caller's pages (in block order) that were never attached to a block, because
+        the block was already resident (another request published it first) or the policy
+        did not admit it. The caller owns both lists' pages again. One call per request:
+        the engine path's batch-shaped publish.
+        """
+        if len(pages) != len(blocks):
+            raise UsageError(f"got {len(pages)} pages for {len(blocks)} blocks")
+        if token_ids is not None and len(token_ids) != len(blocks) * self._block_size:
+            raise UsageError(
+                f"got {len(token_ids)} token ids for {len(blocks)} blocks of {self._block_size}"
+            )
+        if self._sink is None and self._access_into is not None:
+            return self._publish_batch(blocks, pages)
+        taken_before = {b: self._pages.get(b) for b in blocks}
+        evicted = self._access_with_events(blocks, pages, parent=parent, token_ids=token_ids)
+        used = {p for _, p in evicted if p is not None}
+        used.update(p for b in blocks if (p := self._pages.get(b)) is not None)
+        used.difference_update(p for p in taken_before.values() if p is not None)
+        return evicted, [p for p in pages if p not in used]
+
+    def evict_many(self, count: int) -> list[tuple[BlockHash, int | None]]:
+        """Evict up to ``count`` unpinned blocks in the policy's order (fewer if the rest
+        are pinned); return their ``(block, page)`` pairs. One call for a request's
+        pages instead of one `evict` per page."""
+        check_int("count", count, minimum=0)
+        pop = self._pages.pop
+        if self._evict_many is not None:
+            victims = self._evict_many(count)
+        else:
+            victims = []
+            evict = self._policy.evict
+            for _ in range(count):
+                victim = evict()
+                if victim is None:
+                    break
+                victims.append(victim)
+        out = [(victim, pop(victim, None)) for victim in victims]
+        if out:
+            self._evictions += len(out)
+            if self._sink is not None:
+                self._sink(BlockRemoved(block_hashes=tuple(b for b, _ in out)))
+        return out
 
     def pin(self, blocks: Sequence[BlockHash]) -> None:
         """Pin every block (all or nothing): pinned blocks are never evicted."""
         policy = self._policy
-        missing = [b for b in blocks if b not in policy]
-        if missing:
+        if not all(map(self._resident.__contains__, blocks)):
+            missing = [b for b in blocks if b not in policy]
             raise UsageError(f"cannot pin blocks that are not resident: {missing[:3]!r}")
+        pin = policy.pin
         for b in blocks:
-            policy.pin(b)
+            pin(b)
 
     def unpin(self, blocks: Sequence[BlockHash]) -> None:
         """Undo one `pin` of every block (all or nothing)."""
         policy = self._policy
-        need: dict[BlockHash, int] = {}
-        for b in blocks:
-            need[b] = need.get(b, 0) + 1
-        bad = [b for b, n in need.items() if policy.pin_count(b) < n]
+        need = Counter(blocks)
+        pin_count = policy.pin_count
+        bad = [b for b, n in need.items() if pin_count(b) < n]
         if bad:
             raise UsageError(f"cannot unpin blocks that are not pinned: {bad[:3]!r}")
+        unpin = policy.unpin
         for b in blocks:
-            policy.unpin(b)
+            unpin(b)
 
     def evict(self) -> tuple[BlockHash, int | None] | None:
         """Evict one unpinned block in the policy's order; ``None`` if all are pinned."""
@@ -266,6 +335,87 @@ class PrefixCache:
         self._evictions += len(evicted)
         pop = self._pages.pop
         return [(b, pop(b, None)) for b in evicted]
+
+    def _publish_batch(
+        self, blocks: Sequence[BlockHash], pages: Sequence[int] | None
+    ) -> tuple[list[tuple[BlockHash, int | None]], list[int]]:
+        """`publish` without events in one policy call: the same outcome as block by block.
+
+        Which of the caller's pages were attached is reconstructed from residency before
+        and after the batch and from the evicted list. For distinct blocks, a block may
+        leave the cache at most once before its own access (if it was resident) and once
+        after it (if it was admitted), so each eviction's page is determined. Repeated
+        blocks take the block-by-block path.
+        """
+        n = len(blocks)
+        if len(set(blocks)) != n:
+            slow = self._access_with_events(blocks, pages)
+            if pages is None:
+                return slow, []
+            kept = {p for _, p in slow}
+            kept.update(self._pages.get(b) for b in blocks)
+            return slow, [p for p in pages if p not in kept]
+        access_into = self._access_into
+        assert access_into is not None
+        contains = self._resident.__contains__
+        all_new = not any(map(contains, blocks))
+        before = [False] * n if all_new else list(map(contains, blocks))
+        evicted: list[BlockHash] = []
+        error: CapacityError | None = None
+        try:
+            access_into(blocks, evicted)
+            applied = n
+        except CapacityError as exc:
+            error = exc
+            applied = exc.applied
+        pmap = self._pages
+        pop = pmap.pop
+        if error is None and all_new and all(map(contains, blocks)):
+            # the common case: every block was new, was admitted and is still resident, so
+            # no eviction touched the batch and every page was attached
+            if pages is not None:
+                pmap.update(zip(blocks, pages, strict=True))
+            if evicted:
+                self._evictions += len(evicted)
+            return [(e, pop(e, None)) for e in evicted], []
+        out: list[tuple[BlockHash, int | None]] = []
+        given_back: set[int] = set()  # indices whose page leaves through ``out``
+        readmitted: set[int] = set()  # resident before, evicted, admitted again
+        if evicted:
+            index = {b: i for i, b in enumerate(blocks[:applied])}
+            times: dict[BlockHash, int] = {}
+            for e in evicted:
+                i = index.get(e)
+                if i is None:
+                    out.append((e, pop(e, None)))
+                    continue
+                c = times.get(e, 0)
+                times[e] = c + 1
+                if before[i] and c == 0:
+                    out.append((e, pop(e, None)))  # its old page, before its own access
+                    readmitted.add(i)
+                else:
+                    out.append((e, pages[i] if pages is not None else None))
+                    given_back.add(i)
+                    readmitted.discard(i)
+            self._evictions += len(evicted)
+        unused: list[int] = []
+        for i in range(n):
+            page = pages[i] if pages is not None else None
+            if i >= applied:
+                if page is not None:
+                    unused.append(page)
+                continue
+            if i in given_back:
+                continue
+            if (not before[i] or i in readmitted) and contains(blocks[i]):
+                if page is not None:
+                    pmap[blocks[i]] = page
+            elif page is not None:
+                unused.append(page)
+        if error is not None:
+            raise error
+        return out, unused
 
     def _access_with_events(
         self,

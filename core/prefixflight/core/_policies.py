@@ -9,7 +9,7 @@ is exactly the seed's, so trace replays never depend on the pinning code.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from typing import Protocol, final
 
 from ._errors import CapacityError, UsageError
@@ -230,6 +230,10 @@ class S3FIFO:
     def resident(self) -> frozenset[BlockHash]:
         return frozenset(self._freq)
 
+    def resident_view(self) -> Container[BlockHash]:
+        """A live, read-only view of the resident blocks, for fast membership tests."""
+        return self._freq.keys()
+
     def small_queue(self) -> tuple[tuple[BlockHash, int], ...]:
         """``S`` from head (next out) to tail, with each block's freq."""
         return tuple((b, self._freq[b]) for b in self._small)
@@ -260,22 +264,63 @@ class S3FIFO:
         return k
 
     def access(self, blocks: Iterable[BlockHash]) -> list[BlockHash]:
+        evicted: list[BlockHash] = []
+        self.access_into(blocks, evicted)
+        return evicted
+
+    def access_stream(self, blocks: Iterable[BlockHash]) -> int:
+        """Access every block in order, each as its own one-block request; return how
+        many were resident when accessed (the hits). The batch-shaped way to replay a
+        stream of single-object requests."""
+        return self.access_into(blocks, [])
+
+    def access_into(self, blocks: Iterable[BlockHash], evicted: list[BlockHash]) -> int:
+        """`access`, appending the evicted blocks to ``evicted`` as they go (so a caller
+        still has them if a `CapacityError` stops the batch part way); return how many
+        blocks were resident when accessed."""
         freq = self._freq
         max_freq = self._max_freq
         ghost = self._ghost
-        evicted: list[BlockHash] = []
+        small = self._small
+        small_cap = self._small_cap
+        main_cap = self._main_cap
+        pins = self._pins.counts
+        hits = 0
         for applied, b in enumerate(blocks):
             f = freq.get(b)
             if f is not None:
                 if f < max_freq:
                     freq[b] = f + 1
+                hits += 1
                 continue
-            if b in ghost and self._main_has_room_or_victim():
-                del ghost[b]
-                self._admit_main(b, self._ghost_admit_freq, evicted)
-            else:
-                self._admit_new(b, applied, evicted)
-        return evicted
+            if b in ghost:
+                if self._main_has_room_or_victim():
+                    del ghost[b]
+                    self._admit_main(b, self._ghost_admit_freq, evicted)
+                else:
+                    self._admit_new(b, applied, evicted)
+                continue
+            # A new block. Inlined common cases of `_admit_new`: ``S`` has room, or its head
+            # is cold and unpinned and leaves for the ghost; anything else takes the full path.
+            if small_cap:
+                if len(small) < small_cap:
+                    small.append(b)
+                    freq[b] = 0
+                    continue
+                head = small[0]
+                if not freq[head] and head not in pins:
+                    small.popleft()
+                    del freq[head]
+                    if main_cap:  # `_insert_ghost`; a resident block is never in G
+                        if len(ghost) >= main_cap:
+                            ghost.popitem(last=False)
+                        ghost[head] = None
+                    evicted.append(head)
+                    small.append(b)
+                    freq[b] = 0
+                    continue
+            self._admit_new(b, applied, evicted)
+        return hits
 
     # -- admission -----------------------------------------------------------------------
     def _main_has_room_or_victim(self) -> bool:
@@ -408,6 +453,17 @@ class S3FIFO:
                 self._insert_ghost(victim)
                 return victim
 
+    def evict_many(self, count: int) -> list[BlockHash]:
+        """`evict` up to ``count`` times; stops early when every resident block is pinned."""
+        out: list[BlockHash] = []
+        evict = self.evict
+        for _ in range(count):
+            victim = evict()
+            if victim is None:
+                break
+            out.append(victim)
+        return out
+
     def remove(self, block: BlockHash) -> None:
         if block not in self._freq:
             raise UsageError(f"block {block!r} is not resident")
@@ -488,6 +544,10 @@ class LRU:
     def resident(self) -> frozenset[BlockHash]:
         return frozenset(self._order)
 
+    def resident_view(self) -> Container[BlockHash]:
+        """A live, read-only view of the resident blocks, for fast membership tests."""
+        return self._order.keys()
+
     def order(self) -> tuple[BlockHash, ...]:
         """Resident blocks from least to most recently used."""
         return tuple(self._order)
@@ -505,13 +565,28 @@ class LRU:
         return k
 
     def access(self, blocks: Iterable[BlockHash]) -> list[BlockHash]:
+        evicted: list[BlockHash] = []
+        self.access_into(blocks, evicted)
+        return evicted
+
+    def access_stream(self, blocks: Iterable[BlockHash]) -> int:
+        """Access every block in order, each as its own one-block request; return how
+        many were resident when accessed (the hits). The batch-shaped way to replay a
+        stream of single-object requests."""
+        return self.access_into(blocks, [])
+
+    def access_into(self, blocks: Iterable[BlockHash], evicted: list[BlockHash]) -> int:
+        """`access`, appending the evicted blocks to ``evicted`` as they go (so a caller
+        still has them if a `CapacityError` stops the batch part way); return how many
+        blocks were resident when accessed."""
         order = self._order
         move = order.move_to_end
         cap = self._capacity
-        evicted: list[BlockHash] = []
+        hits = 0
         for applied, b in enumerate(blocks):
             if b in order:
                 move(b)
+                hits += 1
                 continue
             if cap == 0:
                 continue
@@ -521,7 +596,7 @@ class LRU:
                 victim = self._pop_lru()
                 evicted.append(victim)
             order[b] = None
-        return evicted
+        return hits
 
     def _pop_lru(self) -> BlockHash:
         order = self._order
@@ -536,6 +611,24 @@ class LRU:
         if len(self._pins.counts) >= len(self._order):
             return None
         return self._pop_lru()
+
+    def evict_many(self, count: int) -> list[BlockHash]:
+        """`evict` up to ``count`` times; stops early when every resident block is pinned."""
+        order = self._order
+        pop = order.popitem
+        pins = self._pins.counts
+        out: list[BlockHash] = []
+        append = out.append
+        for _ in range(count):
+            if len(pins) >= len(order):
+                break
+            while True:  # `_pop_lru`
+                victim, _ = pop(last=False)
+                if victim not in pins:
+                    break
+                order[victim] = None
+            append(victim)
+        return out
 
     def remove(self, block: BlockHash) -> None:
         if block not in self._order:
