@@ -279,47 +279,66 @@ class S3FIFO:
         still has them if a `CapacityError` stops the batch part way); return how many
         blocks were resident when accessed."""
         freq = self._freq
+        fget = freq.get
         max_freq = self._max_freq
         ghost = self._ghost
         small = self._small
+        main = self._main
+        in_main = self._in_main
         small_cap = self._small_cap
         main_cap = self._main_cap
+        ghost_admit_freq = self._ghost_admit_freq
         pins = self._pins.counts
-        hits = 0
-        for applied, b in enumerate(blocks):
-            f = freq.get(b)
+        hits = misses = 0
+        for b in blocks:
+            f = fget(b)
             if f is not None:
                 if f < max_freq:
                     freq[b] = f + 1
                 hits += 1
                 continue
+            misses += 1
+            # Inlined common cases of `_admit_main` and `_admit_new`, exactly as they would
+            # run; every other case (a full main, pinned blocks) takes the full path.
             if b in ghost:
-                if self._main_has_room_or_victim():
+                n_main = len(main)
+                if n_main < main_cap:  # room in M: no drain, no eviction
                     del ghost[b]
-                    self._admit_main(b, self._ghost_admit_freq, evicted)
+                    main.append(b)
+                    freq[b] = ghost_admit_freq
+                    in_main.add(b)
+                elif self._pinned_main < n_main:
+                    del ghost[b]
+                    self._admit_main(b, ghost_admit_freq, evicted)
                 else:
-                    self._admit_new(b, applied, evicted)
+                    self._admit_new(b, hits + misses - 1, evicted)
                 continue
-            # A new block. Inlined common cases of `_admit_new`: ``S`` has room, or its head
-            # is cold and unpinned and leaves for the ghost; anything else takes the full path.
             if small_cap:
-                if len(small) < small_cap:
+                if len(small) < small_cap:  # room in S
                     small.append(b)
                     freq[b] = 0
                     continue
                 head = small[0]
-                if not freq[head] and head not in pins:
-                    small.popleft()
-                    del freq[head]
-                    if main_cap:  # `_insert_ghost`; a resident block is never in G
-                        if len(ghost) >= main_cap:
-                            ghost.popitem(last=False)
-                        ghost[head] = None
-                    evicted.append(head)
-                    small.append(b)
-                    freq[b] = 0
-                    continue
-            self._admit_new(b, applied, evicted)
+                if head not in pins:
+                    if not freq[head]:  # a cold head leaves for the ghost
+                        small.popleft()
+                        del freq[head]
+                        if main_cap:  # `_insert_ghost`; a resident block is never in G
+                            if len(ghost) >= main_cap:
+                                ghost.popitem(last=False)
+                            ghost[head] = None
+                        evicted.append(head)
+                        small.append(b)
+                        freq[b] = 0
+                        continue
+                    if len(main) < main_cap:  # a warm head moves to M's tail, freq kept
+                        small.popleft()
+                        main.append(head)
+                        in_main.add(head)
+                        small.append(b)
+                        freq[b] = 0
+                        continue
+            self._admit_new(b, hits + misses - 1, evicted)
         return hits
 
     # -- admission -----------------------------------------------------------------------
