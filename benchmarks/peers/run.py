@@ -523,6 +523,7 @@ def libcachesim_factories(
     cls = lcs.S3FIFO if policy == "s3fifo" else lcs.LRU
     path = workdir / f"stream_{len(stream)}.oracleGeneral"
     if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
         rec = struct.Struct("<IQIq")
         with path.open("wb") as fh:
             fh.write(b"".join(rec.pack(i, k, 1, -1) for i, k in enumerate(stream)))
@@ -674,7 +675,7 @@ def build_groups(args: argparse.Namespace, log: Callable[[str], None]) -> list[G
         for cap in args.capacities:
             g = Group(f"policy stream: {len(stream)} Zipf(0.9) keys over {args.objects} "
                       f"objects, capacity {cap}", "prefixflight S3FIFO", "key", len(stream),
-                      0.0)
+                      1e-9)
             g.add("prefixflight S3FIFO", partial(ours_policy, stream, cap, "s3fifo"))
             g.add("prefixflight S3FIFO, one call per key",
                   partial(ours_policy_per_call, stream, cap))
@@ -703,7 +704,7 @@ def build_groups(args: argparse.Namespace, log: Callable[[str], None]) -> list[G
             cap = args.trace_capacity
             g = Group(f"trace {trace}: {len(records)} requests, block stream of "
                       f"{len(stream)} accesses, capacity {cap}", "prefixflight LRU",
-                      "block", len(stream), 0.0)
+                      "block", len(stream), 1e-9)
             g.add("prefixflight LRU", partial(ours_policy, stream, cap, "lru"))
             g.add("prefixflight S3FIFO", partial(ours_policy, stream, cap, "s3fifo"),
                   same_as="prefixflight S3FIFO")
@@ -755,7 +756,7 @@ def main(argv: Sequence[str] | None = None, log: Callable[[str], None] | None = 
         for r in summary["rows"]:
             if not r["same_work"]:
                     print(f"note: {r['name']} hit rate {r['hit_rate']:.4%} differs from "
-                      f"{r['same_as']}'s by more than {g.tolerance:.2%}", flush=True)
+                      f"{r['same_as']}'s by more than {g.tolerance:.2%}\n", flush=True)
     if args.json:
         out = Path(args.json)
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -10,11 +10,14 @@ leading blocks whose *running maximum* distance is at most ``C``; its hit tokens
 ``min(k * block_size, input_length)`` as in seed 002. After the scan, every block of the
 request is accessed in order, moving it to the top of the stack.
 
-Depths are counted with a Fenwick tree over access times: each block holds a 1 at its last
-access time, and its depth is the number of ones at or after that time. That is
-``O(log n)`` per block, independent of how many capacities are asked for. Times are
-renumbered (compacted) whenever the tree fills, so memory stays ``O(distinct blocks)`` on a
-stream of any length.
+Depths are counted over access times: each block marks the time of its last access, and its
+depth is the number of marks at or after that time. Times are grouped in chunks of 1024: a
+chunk's marks are one int used as a bitmask (counted within the chunk with ``bit_count``),
+and a Fenwick tree over the chunks counts the marks before it. Clearing an old mark and
+setting a new one (always in the last chunk) and reading a depth cost ``O(log(n / 1024))``
+Python steps, independent of how many capacities are asked for; memory is
+``O(distinct blocks + accesses / 1024)``. A request credits each capacity with a binary
+search in its running maxima, only for the capacities inside its range of distances.
 
 S3FIFO has no inclusion property, so its curve needs one replay per capacity (the CLI runs
 them in parallel processes).
@@ -316,7 +319,7 @@ def lru_curve(
 
 def auto_capacities(distinct_blocks: int, points: int = 24, smallest: int = 16) -> tuple[int, ...]:
     """About ``points`` log-spaced capacities from ``smallest`` up to ``distinct_blocks``
-    (where every policy's curve is flat: nothing is ever evicted), ascending, distinct."""
+    (from there on LRU never evicts, so its curve is flat), ascending, distinct."""
     check_int("distinct_blocks", distinct_blocks, minimum=0)
     check_int("points", points, minimum=2)
     check_int("smallest", smallest, minimum=1)

@@ -331,10 +331,17 @@ class S3FIFO:
                         small.append(b)
                         freq[b] = 0
                         continue
-                    if len(main) < main_cap:  # a warm head moves to M's tail, freq kept
+                    n_main = len(main)
+                    if n_main < main_cap:  # a warm head moves to M's tail, freq kept
                         small.popleft()
                         main.append(head)
                         in_main.add(head)
+                        small.append(b)
+                        freq[b] = 0
+                        continue
+                    if self._pinned_main < n_main:  # M is full but has a victim
+                        small.popleft()
+                        self._admit_main(head, freq[head], evicted)
                         small.append(b)
                         freq[b] = 0
                         continue
@@ -393,25 +400,32 @@ class S3FIFO:
         main = self._main
         freq = self._freq
         pins = self._pins.counts
+        main_cap = self._main_cap
         out: BlockHash | None = None
-        while len(main) >= self._main_cap:
-            victim = main[0]
-            vf = freq[victim]
-            if vf >= 1:
-                main.popleft()
-                freq[victim] = vf - 1
-                main.append(victim)
-                continue
-            main.popleft()
-            if victim in pins:  # pinned: requeue at the tail like a second chance
-                main.append(victim)
-                continue
-            del freq[victim]
-            self._in_main.discard(victim)
-            self._insert_ghost(victim)
-            evicted.append(victim)
-            out = victim
-            break
+        if len(main) >= main_cap:
+            pop = main.popleft
+            push = main.append
+            while len(main) >= main_cap:
+                victim = pop()
+                vf = freq[victim]
+                if vf >= 1:
+                    freq[victim] = vf - 1
+                    push(victim)
+                    continue
+                if victim in pins:  # pinned: requeue at the tail like a second chance
+                    push(victim)
+                    continue
+                del freq[victim]
+                self._in_main.discard(victim)
+                ghost = self._ghost  # `_insert_ghost` (main_cap > 0 here)
+                if victim in ghost:
+                    del ghost[victim]
+                elif len(ghost) >= main_cap:
+                    ghost.popitem(last=False)
+                ghost[victim] = None
+                evicted.append(victim)
+                out = victim
+                break
         main.append(b)
         freq[b] = f
         self._in_main.add(b)
