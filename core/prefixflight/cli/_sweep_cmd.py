@@ -30,7 +30,7 @@ from prefixflight.core import (
 from ._io import read_trace
 from ._progress import progress
 
-__all__ = ["parse_capacities", "register", "run", "sweep"]
+__all__ = ["format_table", "parse_capacities", "plot", "register", "run", "sweep"]
 
 _POLICIES = ("s3fifo", "lru")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Container, Sequence
+from itertools import repeat
 from typing import TypeAlias, final
 
 import attrs
@@ -271,7 +272,7 @@ class PrefixCache:
                 if victim is None:
                     break
                 victims.append(victim)
-        out = [(victim, pop(victim, None)) for victim in victims]
+        out = list(zip(victims, map(pop, victims, repeat(None))))
         if out:
             self._evictions += len(out)
             if self._sink is not None:
@@ -377,7 +378,7 @@ class PrefixCache:
                 pmap.update(zip(blocks, pages, strict=True))
             if evicted:
                 self._evictions += len(evicted)
-            return [(e, pop(e, None)) for e in evicted], []
+            return list(zip(evicted, map(pop, evicted, repeat(None)))), []
         out: list[tuple[BlockHash, int | None]] = []
         given_back: set[int] = set()  # indices whose page leaves through ``out``
         readmitted: set[int] = set()  # resident before, evicted, admitted again
