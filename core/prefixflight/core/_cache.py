@@ -272,7 +272,7 @@ class PrefixCache:
                 if victim is None:
                     break
                 victims.append(victim)
-        out = list(zip(victims, map(pop, victims, repeat(None))))
+        out = list(zip(victims, map(pop, victims, repeat(None)), strict=True))
         if out:
             self._evictions += len(out)
             if self._sink is not None:
@@ -378,7 +378,7 @@ class PrefixCache:
                 pmap.update(zip(blocks, pages, strict=True))
             if evicted:
                 self._evictions += len(evicted)
-            return list(zip(evicted, map(pop, evicted, repeat(None)))), []
+            return list(zip(evicted, map(pop, evicted, repeat(None)), strict=True)), []
         out: list[tuple[BlockHash, int | None]] = []
         given_back: set[int] = set()  # indices whose page leaves through ``out``
         readmitted: set[int] = set()  # resident before, evicted, admitted again
