@@ -7,6 +7,7 @@ import random
 from pathlib import Path
 
 import pytest
+
 from prefixflight.cli import main
 from prefixflight.cli._sweep_cmd import sweep
 from prefixflight.core import TraceRecord, replay

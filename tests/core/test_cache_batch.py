@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from prefixflight.core import LRU, S3FIFO, CapacityError, KVEvent, PrefixCache, UsageError
 
 _block = st.integers(0, 14)

@@ -10,6 +10,7 @@ from importlib import resources
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from prefixflight.core import (
     LRU,
     ConfigError,

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+
 from prefixflight.core import (
     CurvePoint,
     LRUCurve,
