@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from prefixflight.core import LRU, S3FIFO, CapacityError, KVEvent, PrefixCache, UsageError
@@ -58,7 +58,6 @@ def _apply(cache: PrefixCache, op: tuple[str, Any], next_page: int) -> Any:
         return ("UsageError", str(exc))
 
 
-@settings(max_examples=200)
 @given(
     policy=st.sampled_from(["lru", "s3fifo"]),
     capacity=st.integers(0, 6),

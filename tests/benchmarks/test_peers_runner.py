@@ -10,7 +10,7 @@ from types import ModuleType
 
 import pytest
 
-_RUN = Path(__file__).resolve().parents[1] / "benchmarks" / "peers" / "run.py"
+_RUN = Path(__file__).resolve().parents[2] / "benchmarks" / "peers" / "run.py"
 
 
 @pytest.fixture(scope="module")
