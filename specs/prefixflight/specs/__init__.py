@@ -6,6 +6,7 @@ Needs the ``specs`` extra (Hypothesis). Point the machines at your own implement
 """
 
 from ._cache_machine import CacheConformance
+from ._curves import LRUCurveConformance, ReferenceLRUCurve
 from ._flight import CoordinatorUnderTest, FlightCoordinatorMachine, FlightModel
 from ._machines import LRUConformance, PolicyConformance, S3FIFOConformance
 from ._reference import ReferenceLRU, ReferenceReplay, ReferenceS3FIFO, reference_replay
@@ -30,8 +31,10 @@ __all__ = [
     "FlightCoordinatorMachine",
     "FlightModel",
     "LRUConformance",
+    "LRUCurveConformance",
     "PolicyConformance",
     "ReferenceLRU",
+    "ReferenceLRUCurve",
     "ReferenceReplay",
     "ReferenceS3FIFO",
     "ReferenceWindow",
