@@ -259,7 +259,8 @@ class PrefixCache:
     def evict_many(self, count: int) -> list[tuple[BlockHash, int | None]]:
         """Evict up to ``count`` unpinned blocks in the policy's order (fewer if the rest
         are pinned); return their ``(block, page)`` pairs. One call for a request's
-        pages instead of one `evict` per page."""
+        pages instead of one `evict` per page; with an event sink, one `BlockRemoved`
+        lists them all."""
         check_int("count", count, minimum=0)
         pop = self._pages.pop
         if self._evict_many is not None:

@@ -24,6 +24,11 @@ class EvictionPolicy(Protocol):
 
     Every method that changes state either completes or raises and leaves the state as it
     was (for `access`, per block: blocks before the failing one stay applied).
+
+    Optional batch methods, used by `PrefixCache` when a policy has them (the built-in
+    policies do): ``access_into(blocks, evicted) -> hits`` (`access` appending to the
+    caller's list), ``evict_many(count) -> list`` (repeated `evict`), and
+    ``resident_view() -> Container`` (a live membership view).
     """
 
     @property
