@@ -39,6 +39,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from functools import partial
 from importlib import import_module
+from operator import itemgetter
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -127,7 +128,8 @@ def ours_engine(prompts: Sequence[array[int]], policy: str, pool: int = POOL_BLO
     hash_tokens = hasher.hash_tokens
     lookup, pin, unpin = cache.lookup, cache.pin, cache.unpin
     evict_many, publish_pages = cache.evict_many, cache.publish_pages
-    free = list(range(pool - 1, -1, -1))
+    free: list[Any] = list(range(pool - 1, -1, -1))  # every cached block has a page here
+    second = itemgetter(1)
     running: deque[tuple[tuple[Any, ...], int, list[int]]] = deque()
     clock = time.perf_counter
     hashing = 0.0
@@ -136,8 +138,8 @@ def ours_engine(prompts: Sequence[array[int]], policy: str, pool: int = POOL_BLO
     def finish(hashes: tuple[Any, ...], k: int, own: list[int]) -> None:
         n_new = len(hashes) - k
         evicted, unused = publish_pages(hashes[k:], own[:n_new])
-        for _, page in evicted:
-            free.append(page)  # type: ignore[arg-type]
+        if evicted:
+            free.extend(map(second, evicted))
         free.extend(unused)
         free.extend(own[n_new:])  # the partial tail block's page
         if k:
@@ -154,8 +156,7 @@ def ours_engine(prompts: Sequence[array[int]], policy: str, pool: int = POOL_BLO
             pin(hashes[:k])
         need = -(-n // block) - k
         if len(free) < need:
-            for _, page in evict_many(need - len(free)):
-                free.append(page)  # type: ignore[arg-type]
+            free.extend(map(second, evict_many(need - len(free))))
         own = free[-need:]
         del free[-need:]
         running.append((hashes, k, own))

@@ -96,3 +96,35 @@ def test_evict_many_stops_at_pinned_blocks() -> None:
     assert list(cache.policy.resident()) == ["b"]
     with pytest.raises(UsageError, match="-1"):
         cache.evict_many(-1)
+
+
+@given(
+    policy=st.sampled_from(["lru", "s3fifo"]),
+    capacity=st.integers(0, 6),
+    blocks=st.lists(_block, max_size=20),
+    pins=st.lists(_block, max_size=4),
+    count=st.integers(0, 8),
+)
+def test_policy_evict_many_equals_repeated_evict(
+    policy: str, capacity: int, blocks: list[int], pins: list[int], count: int
+) -> None:
+    def make() -> LRU | S3FIFO:
+        pol: LRU | S3FIFO = LRU(capacity) if policy == "lru" else S3FIFO(capacity, 0.25)
+        pol.access(blocks)  # nothing is pinned yet: never a CapacityError
+        for b in pins:
+            if b in pol:
+                pol.pin(b)
+        return pol
+
+    many, one = make(), make()
+    expected = []
+    for _ in range(count):
+        victim = one.evict()
+        if victim is None:
+            break
+        expected.append(victim)
+    assert many.evict_many(count) == expected
+    view = "order" if policy == "lru" else "main_queue"
+    assert getattr(many, view)() == getattr(one, view)()
+    assert many.resident() == one.resident()
+    many.check_invariants()

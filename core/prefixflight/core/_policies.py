@@ -657,9 +657,9 @@ class LRU:
         pins = self._pins.counts
         out: list[BlockHash] = []
         append = out.append
-        for _ in range(count):
-            if len(pins) >= len(order):
-                break
+        # every pinned block is resident, so this many can go; a pinned block met at the
+        # LRU end is requeued (as `_pop_lru` does) and does not change the count
+        for _ in range(min(count, len(order) - len(pins))):
             while True:  # `_pop_lru`
                 victim, _ = pop(last=False)
                 if victim not in pins:
