@@ -8,8 +8,9 @@ Three workloads (see ../../../shared/PEERS.md for where they come from):
   blocks (evicting cached ones), and on completion publish the new full blocks and release.
 * policy: 2M keys, Zipf(0.9) over 200k objects, ranks shuffled; each key is looked up and
   inserted on a miss; capacities 4,096 and 65,536.
-* traces: the real Mooncake traces' block streams (every hash id of every request, in
-  order) through S3FIFO and LRU, and our exact prefix replay (seed 002) of each trace.
+* traces: the block streams of the real Mooncake traces (``../shared/data``, bundled with
+  the package): every hash id of every request, in order, through S3FIFO and LRU; and our
+  exact prefix replay (seed 002) of each trace.
 
 Every implementation runs over the same generated data, interleaved over several rounds in
 rotating order so machine noise hits all alike; the table shows medians, the ratio of each
@@ -48,7 +49,6 @@ from prefixflight.core import (
     S3FIFO,
     BlockHasher,
     PrefixCache,
-    TraceReader,
     TraceRecord,
     replay,
 )
@@ -56,7 +56,6 @@ from prefixflight.core import (
 BLOCK = 16
 POOL_BLOCKS = 16_384
 IN_FLIGHT = 32
-SHARED_DATA = Path(__file__).resolve().parents[2].parent.parent / "shared" / "data"
 
 
 class Outcome(NamedTuple):
@@ -109,10 +108,8 @@ def zipf_stream(
 
 
 def load_trace(name: str) -> list[TraceRecord]:
-    path = SHARED_DATA / f"{name}_trace.jsonl"
-    if path.exists():
-        with path.open(encoding="utf-8") as fh:
-            return list(TraceReader(fh, source=str(path)))
+    """A real Mooncake trace: the package's bundled copy of ``../shared/data/NAME_trace.jsonl``
+    (the same file, gzipped)."""
     from prefixflight.cli import read_trace
 
     with read_trace(f"bundled:{name}") as reader:
