@@ -68,10 +68,12 @@ def main() -> None:
     # same work: the curve's points at the replayed capacities equal the replays
     curve = LRUCurve([*caps, *REPLAY_CAPACITIES], 512)
     curve.feed(records)
-    for point, cap in zip(curve.points()[len(caps):], REPLAY_CAPACITIES, strict=True):
+    for point, cap in zip(curve.points()[len(caps) :], REPLAY_CAPACITIES, strict=True):
         rep = replay(records, policy="lru", cache_capacity_blocks=cap)
         assert (point.total_hit_tokens, point.final_cache_blocks) == (
-            rep.total_hit_tokens, rep.final_cache_blocks), cap
+            rep.total_hit_tokens,
+            rep.final_cache_blocks,
+        ), cap
 
     cases: dict[str, Callable[[], object]] = {
         "from file: LRU curve, 32 capacities": curve_file,
@@ -82,14 +84,16 @@ def main() -> None:
     times: dict[str, list[float]] = {name: [] for name in cases}
     names = list(cases)
     for rnd in range(args.rounds):
-        for name in names[rnd % len(names):] + names[: rnd % len(names)]:
+        for name in names[rnd % len(names) :] + names[: rnd % len(names)]:
             t0 = time.perf_counter()
             cases[name]()
             times[name].append(time.perf_counter() - t0)
 
     med = {name: statistics.median(ts) for name, ts in times.items()}
-    print(f"trace {args.trace}: {len(records)} requests, {blocks} block accesses; "
-          f"median of {args.rounds} interleaved rounds")
+    print(
+        f"trace {args.trace}: {len(records)} requests, {blocks} block accesses; "
+        f"median of {args.rounds} interleaved rounds"
+    )
     print(f"{'case':40} {'median s':>9} {'best s':>8} {'us/block':>9}")
     for name, ts in times.items():
         print(f"{name:40} {med[name]:9.3f} {min(ts):8.3f} {1e6 * med[name] / blocks:9.2f}")
@@ -103,11 +107,23 @@ def main() -> None:
         print(f"{name}: {r:.2f}x (target > 1: the curve is faster than 3 replays)")
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "trace": args.trace, "requests": len(records), "block_accesses": blocks,
-        "curve_capacities": caps, "replay_capacities": list(REPLAY_CAPACITIES),
-        "rounds": args.rounds, "seconds": times, "median_seconds": med, "ratios": ratios,
-    }, indent=2) + "\n")
+    out.write_text(
+        json.dumps(
+            {
+                "trace": args.trace,
+                "requests": len(records),
+                "block_accesses": blocks,
+                "curve_capacities": caps,
+                "replay_capacities": list(REPLAY_CAPACITIES),
+                "rounds": args.rounds,
+                "seconds": times,
+                "median_seconds": med,
+                "ratios": ratios,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"wrote {out}")
 
 

@@ -117,8 +117,13 @@ def load_trace(name: str) -> list[TraceRecord]:
 
 
 # -- engine path: ours -------------------------------------------------------------------
-def ours_engine(prompts: Sequence[array[int]], policy: str, pool: int = POOL_BLOCKS,
-                in_flight: int = IN_FLIGHT, block: int = BLOCK) -> Outcome:
+def ours_engine(
+    prompts: Sequence[array[int]],
+    policy: str,
+    pool: int = POOL_BLOCKS,
+    in_flight: int = IN_FLIGHT,
+    block: int = BLOCK,
+) -> Outcome:
     """The engine path on prefixflight's public API, one call per request per step."""
     hasher = BlockHasher(block)  # sha256, stable across processes
     cache = PrefixCache(S3FIFO(pool) if policy == "s3fifo" else LRU(pool), block)
@@ -168,8 +173,12 @@ def ours_engine(prompts: Sequence[array[int]], policy: str, pool: int = POOL_BLO
     return Outcome(total, hit_tokens / prompt_tokens, {"hashing": hashing})
 
 
-def minimal_engine(prompts: Sequence[array[int]], pool: int = POOL_BLOCKS,
-                   in_flight: int = IN_FLIGHT, block: int = BLOCK) -> Outcome:
+def minimal_engine(
+    prompts: Sequence[array[int]],
+    pool: int = POOL_BLOCKS,
+    in_flight: int = IN_FLIGHT,
+    block: int = BLOCK,
+) -> Outcome:
     """PEERS.md's minimal plain-Python block-hash cache (appendix): one flat LRU of block
     ids, chained sha256 over token bytes, no API layer, no pins, no policies. The floor of
     a plain-Python block-hash cache, for reference."""
@@ -272,15 +281,21 @@ def vllm_engine_factory(prompts: Sequence[array[int]]) -> Runner:
     pool_ints = list(range(32_000))
 
     def run() -> Outcome:
-        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=64,
-                                 dtype=torch.float16)
+        spec = FullAttentionSpec(
+            block_size=BLOCK, num_kv_heads=1, head_size=64, dtype=torch.float16
+        )
         config = KVCacheConfig(
             num_blocks=POOL_BLOCKS + 1,  # + vLLM's reserved null block
             kv_cache_tensors=[],
             kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)],
         )
-        manager = KVCacheManager(config, max_model_len=8192, scheduler_block_size=BLOCK,
-                                 hash_block_size=BLOCK, enable_caching=True)
+        manager = KVCacheManager(
+            config,
+            max_model_len=8192,
+            scheduler_block_size=BLOCK,
+            hash_block_size=BLOCK,
+            enable_caching=True,
+        )
         hasher = get_request_block_hasher(BLOCK, hash_fn)
         params = SamplingParams(max_tokens=1)
         requests = []
@@ -547,8 +562,10 @@ def libcachesim_factories(
         total = time.perf_counter() - t0
         return Outcome(total, 1.0 - miss_ratio, {})
 
-    return {f"libCacheSim {policy} per call": per_call,
-            f"libCacheSim {policy} whole loop in C": whole_loop}
+    return {
+        f"libCacheSim {policy} per call": per_call,
+        f"libCacheSim {policy} whole loop in C": whole_loop,
+    }
 
 
 # -- traces --------------------------------------------------------------------------------
@@ -564,8 +581,9 @@ def ours_trace_replay(records: Sequence[TraceRecord], policy: str, capacity: int
 class Group:
     """Runners over the same work: timed together, in rotating order, for several rounds."""
 
-    def __init__(self, title: str, ours: str, unit: str, units: int,
-                 same_rate_tolerance: float) -> None:
+    def __init__(
+        self, title: str, ours: str, unit: str, units: int, same_rate_tolerance: float
+    ) -> None:
         self.title = title
         self.ours = ours
         self.unit = unit
@@ -590,47 +608,56 @@ class Group:
                 gc.collect()
                 out = self.runners[name]()
                 self.outcomes[name].append(out)
-                log(f"  [{self.title}] round {rnd + 1}/{rounds} {name}: "
-                    f"{out.seconds:.3f} s, hit rate {out.hit_rate:.4%}")
+                log(
+                    f"  [{self.title}] round {rnd + 1}/{rounds} {name}: "
+                    f"{out.seconds:.3f} s, hit rate {out.hit_rate:.4%}"
+                )
 
     def summary(self) -> dict[str, Any]:
         ours_rounds = [o.seconds for o in self.outcomes[self.ours]]
         rows = []
         for name, outs in self.outcomes.items():
             med = statistics.median(o.seconds for o in outs)
-            phases = {
-                p: statistics.median(o.phases[p] for o in outs) for p in outs[0].phases
-            }
+            phases = {p: statistics.median(o.phases[p] for o in outs) for p in outs[0].phases}
             rate = outs[0].hit_rate
             ref = self.same_as[name]
             ref_rate = self.outcomes[ref][0].hit_rate
-            rows.append({
-                "name": name,
-                "median_s": med,
-                "best_s": min(o.seconds for o in outs),
-                "us_per_unit": 1e6 * med / self.units,
-                "phases_us_per_unit": {p: 1e6 * v / self.units for p, v in phases.items()},
-                # paired per round (each round runs everyone back to back), then the median:
-                # steadier than a ratio of medians when the machine's load drifts
-                "ratio_to_ours": statistics.median(
-                    o.seconds / t for o, t in zip(outs, ours_rounds, strict=True)
-                ),
-                "hit_rate": rate,
-                "same_as": ref,
-                "same_work": abs(rate - ref_rate) <= self.tolerance
-                and all(o.hit_rate == rate for o in outs),
-                "rounds": [o.seconds for o in outs],
-            })
-        return {"title": self.title, "ours": self.ours, "unit": self.unit,
-                "units": self.units, "rows": rows}
+            rows.append(
+                {
+                    "name": name,
+                    "median_s": med,
+                    "best_s": min(o.seconds for o in outs),
+                    "us_per_unit": 1e6 * med / self.units,
+                    "phases_us_per_unit": {p: 1e6 * v / self.units for p, v in phases.items()},
+                    # paired per round (each round runs everyone back to back), then the median:
+                    # steadier than a ratio of medians when the machine's load drifts
+                    "ratio_to_ours": statistics.median(
+                        o.seconds / t for o, t in zip(outs, ours_rounds, strict=True)
+                    ),
+                    "hit_rate": rate,
+                    "same_as": ref,
+                    "same_work": abs(rate - ref_rate) <= self.tolerance
+                    and all(o.hit_rate == rate for o in outs),
+                    "rounds": [o.seconds for o in outs],
+                }
+            )
+        return {
+            "title": self.title,
+            "ours": self.ours,
+            "unit": self.unit,
+            "units": self.units,
+            "rows": rows,
+        }
 
 
 def format_group(summary: dict[str, Any]) -> str:
     unit = summary["unit"]
-    lines = [f"### {summary['title']}", "",
-             f"| implementation | median s | best s | us/{unit} | time / ours (paired) | "
-             "hit rate |",
-             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        f"### {summary['title']}",
+        "",
+        f"| implementation | median s | best s | us/{unit} | time / ours (paired) | hit rate |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for r in summary["rows"]:
         phases = "".join(f" ({p} {v:.2f})" for p, v in r["phases_us_per_unit"].items())
         flag = "" if r["same_work"] else f" (differs from {r['same_as']})"
@@ -659,8 +686,14 @@ def build_groups(args: argparse.Namespace, log: Callable[[str], None]) -> list[G
     if "engine" in args.workloads:
         prompts = engine_prompts(n=args.requests)
         blocks = sum(-(-len(p) // BLOCK) for p in prompts)
-        g = Group(f"engine path: {len(prompts)} requests, {sum(map(len, prompts))} tokens, "
-                  f"{blocks} blocks of {BLOCK}", "prefixflight S3FIFO", "block", blocks, 0.001)
+        g = Group(
+            f"engine path: {len(prompts)} requests, {sum(map(len, prompts))} tokens, "
+            f"{blocks} blocks of {BLOCK}",
+            "prefixflight S3FIFO",
+            "block",
+            blocks,
+            0.001,
+        )
         g.add("prefixflight S3FIFO", lambda: ours_engine(prompts, "s3fifo"))
         g.add("prefixflight LRU", lambda: ours_engine(prompts, "lru"))
         g.add("plain-Python minimal block cache (PEERS.md)", lambda: minimal_engine(prompts))
@@ -676,14 +709,23 @@ def build_groups(args: argparse.Namespace, log: Callable[[str], None]) -> list[G
     if "policy" in args.workloads:
         stream = zipf_stream(n=args.keys, objects=args.objects)
         for cap in args.capacities:
-            g = Group(f"policy stream: {len(stream)} Zipf(0.9) keys over {args.objects} "
-                      f"objects, capacity {cap}", "prefixflight S3FIFO", "key", len(stream),
-                      1e-9)
+            g = Group(
+                f"policy stream: {len(stream)} Zipf(0.9) keys over {args.objects} "
+                f"objects, capacity {cap}",
+                "prefixflight S3FIFO",
+                "key",
+                len(stream),
+                1e-9,
+            )
             g.add("prefixflight S3FIFO", partial(ours_policy, stream, cap, "s3fifo"))
-            g.add("prefixflight S3FIFO, one call per key",
-                  partial(ours_policy_per_call, stream, cap))
-            g.add("prefixflight LRU", partial(ours_policy, stream, cap, "lru"),
-                  same_as="prefixflight LRU")
+            g.add(
+                "prefixflight S3FIFO, one call per key", partial(ours_policy_per_call, stream, cap)
+            )
+            g.add(
+                "prefixflight LRU",
+                partial(ours_policy, stream, cap, "lru"),
+                same_as="prefixflight LRU",
+            )
             if "libcachesim" not in args.skip:
                 for policy in ("s3fifo", "lru"):
                     runs = try_peer(
@@ -696,21 +738,31 @@ def build_groups(args: argparse.Namespace, log: Callable[[str], None]) -> list[G
                         # exact check is LRU against LRU
                         ref = "prefixflight LRU" if policy == "lru" else name
                         g.add(name, run, same_as=ref)
-            g.add("plain-Python S3-FIFO (PEERS.md baseline)",
-                  partial(baseline_s3fifo, stream, cap),
-                  same_as="plain-Python S3-FIFO (PEERS.md baseline)")
+            g.add(
+                "plain-Python S3-FIFO (PEERS.md baseline)",
+                partial(baseline_s3fifo, stream, cap),
+                same_as="plain-Python S3-FIFO (PEERS.md baseline)",
+            )
             groups.append(g)
     if "traces" in args.workloads:
         for trace in ("conversation", "synthetic"):
             records = load_trace(trace)
             stream = [b for r in records for b in r.hash_ids]
             cap = args.trace_capacity
-            g = Group(f"trace {trace}: {len(records)} requests, block stream of "
-                      f"{len(stream)} accesses, capacity {cap}", "prefixflight LRU",
-                      "block", len(stream), 1e-9)
+            g = Group(
+                f"trace {trace}: {len(records)} requests, block stream of "
+                f"{len(stream)} accesses, capacity {cap}",
+                "prefixflight LRU",
+                "block",
+                len(stream),
+                1e-9,
+            )
             g.add("prefixflight LRU", partial(ours_policy, stream, cap, "lru"))
-            g.add("prefixflight S3FIFO", partial(ours_policy, stream, cap, "s3fifo"),
-                  same_as="prefixflight S3FIFO")
+            g.add(
+                "prefixflight S3FIFO",
+                partial(ours_policy, stream, cap, "s3fifo"),
+                same_as="prefixflight S3FIFO",
+            )
             if "libcachesim" not in args.skip:
                 for policy in ("lru", "s3fifo"):
                     runs = try_peer(
@@ -721,25 +773,35 @@ def build_groups(args: argparse.Namespace, log: Callable[[str], None]) -> list[G
                     for name, run in (runs or {}).items():
                         g.add(name, run, same_as=None if policy == "lru" else name)
             replay_name = "prefixflight exact prefix replay S3FIFO (token hit rate)"
-            g.add(replay_name, partial(ours_trace_replay, records, "s3fifo", cap),
-                  same_as=replay_name)
+            g.add(
+                replay_name, partial(ours_trace_replay, records, "s3fifo", cap), same_as=replay_name
+            )
             groups.append(g)
     return groups
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--workloads", default="engine,policy,traces",
-                    type=lambda s: set(s.split(",")), help="engine,policy,traces")
+    ap.add_argument(
+        "--workloads",
+        default="engine,policy,traces",
+        type=lambda s: set(s.split(",")),
+        help="engine,policy,traces",
+    )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--requests", type=int, default=10_000)
     ap.add_argument("--keys", type=int, default=2_000_000)
     ap.add_argument("--objects", type=int, default=200_000)
-    ap.add_argument("--capacities", type=lambda s: [int(x) for x in s.split(",")],
-                    default=[4096, 65536])
+    ap.add_argument(
+        "--capacities", type=lambda s: [int(x) for x in s.split(",")], default=[4096, 65536]
+    )
     ap.add_argument("--trace-capacity", type=int, default=4096)
-    ap.add_argument("--skip", default="", type=lambda s: set(filter(None, s.split(","))),
-                    help="peers to leave out: vllm,sglang,libcachesim")
+    ap.add_argument(
+        "--skip",
+        default="",
+        type=lambda s: set(filter(None, s.split(","))),
+        help="peers to leave out: vllm,sglang,libcachesim",
+    )
     ap.add_argument("--workdir", default="out/peers")
     ap.add_argument("--json", default=None, help="write the summaries here")
     return ap.parse_args(argv)
@@ -758,8 +820,11 @@ def main(argv: Sequence[str] | None = None, log: Callable[[str], None] | None = 
         print(format_group(summary), flush=True)
         for r in summary["rows"]:
             if not r["same_work"]:
-                    print(f"note: {r['name']} hit rate {r['hit_rate']:.4%} differs from "
-                      f"{r['same_as']}'s by more than {g.tolerance:.2%}\n", flush=True)
+                print(
+                    f"note: {r['name']} hit rate {r['hit_rate']:.4%} differs from "
+                    f"{r['same_as']}'s by more than {g.tolerance:.2%}\n",
+                    flush=True,
+                )
     if args.json:
         out = Path(args.json)
         out.parent.mkdir(parents=True, exist_ok=True)

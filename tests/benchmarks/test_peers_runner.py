@@ -32,9 +32,24 @@ def test_missing_peers_are_skipped_and_ours_runs(
     messages: list[str] = []
     out = tmp_path / "peers.json"
     status = runner.main(
-        ["--workloads", "engine,policy", "--rounds", "2", "--requests", "150",
-         "--keys", "3000", "--objects", "500", "--capacities", "64",
-         "--workdir", str(tmp_path / "work"), "--json", str(out)],
+        [
+            "--workloads",
+            "engine,policy",
+            "--rounds",
+            "2",
+            "--requests",
+            "150",
+            "--keys",
+            "3000",
+            "--objects",
+            "500",
+            "--capacities",
+            "64",
+            "--workdir",
+            str(tmp_path / "work"),
+            "--json",
+            str(out),
+        ],
         log=messages.append,
     )
     assert status == 0
@@ -47,8 +62,11 @@ def test_missing_peers_are_skipped_and_ours_runs(
     doc = json.loads(out.read_text())
     engine, policy = doc["groups"]
     names = [r["name"] for r in engine["rows"]]
-    assert names == ["prefixflight S3FIFO", "prefixflight LRU",
-                     "plain-Python minimal block cache (PEERS.md)"]
+    assert names == [
+        "prefixflight S3FIFO",
+        "prefixflight LRU",
+        "plain-Python minimal block cache (PEERS.md)",
+    ]
     # ours with either policy and the minimal cache do the same work on the engine path
     rates = {r["name"]: r["hit_rate"] for r in engine["rows"]}
     assert rates["prefixflight S3FIFO"] == rates["prefixflight LRU"] > 0

@@ -21,17 +21,24 @@ def _write_trace(path: Path, n: int = 120, seed: int = 7) -> list[TraceRecord]:
             prefix = [0, 1, 2][: rng.randint(0, 3)] if i % 3 else [50, 51]
             ids = prefix + [rng.randint(3, 60) for _ in range(rng.randint(0, 6))]
             length = max(0, len(ids) * 512 - rng.randint(0, 511))
-            fh.write(json.dumps({"timestamp": i, "input_length": length,
-                                 "output_length": 1, "hash_ids": ids}) + "\n")
+            fh.write(
+                json.dumps(
+                    {"timestamp": i, "input_length": length, "output_length": 1, "hash_ids": ids}
+                )
+                + "\n"
+            )
             records.append(TraceRecord(input_length=length, hash_ids=tuple(ids)))
     return records
 
 
 def _expected(records: list[TraceRecord], policy: str, cap: int) -> dict[str, object]:
     report = replay(records, policy=policy, cache_capacity_blocks=cap)
-    return {"capacity": cap, "total_hit_tokens": report.total_hit_tokens,
-            "overall_hit_rate": report.overall_hit_rate,
-            "final_cache_blocks": report.final_cache_blocks}
+    return {
+        "capacity": cap,
+        "total_hit_tokens": report.total_hit_tokens,
+        "overall_hit_rate": report.overall_hit_rate,
+        "final_cache_blocks": report.final_cache_blocks,
+    }
 
 
 @pytest.mark.parametrize("jobs", ["1", "2"])
@@ -41,8 +48,23 @@ def test_sweep_json_equals_replays(
     trace = tmp_path / "t.jsonl"
     records = _write_trace(trace)
     out = tmp_path / "curves.json"
-    status = main(["sweep", str(trace), "--policy", "s3fifo", "--policy", "LRU",
-                   "--capacities", "8,0,3,20", "--json", str(out), "-j", jobs, "-q"])
+    status = main(
+        [
+            "sweep",
+            str(trace),
+            "--policy",
+            "s3fifo",
+            "--policy",
+            "LRU",
+            "--capacities",
+            "8,0,3,20",
+            "--json",
+            str(out),
+            "-j",
+            jobs,
+            "-q",
+        ]
+    )
     assert status == 0
     doc = json.loads(out.read_text())
     assert set(doc) == {"trace", "capacities", "curves"}
@@ -72,8 +94,10 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
     trace = tmp_path / "t.jsonl"
     _write_trace(trace, n=40)
     png = tmp_path / "curve.png"
-    assert main(["sweep", str(trace), "--capacities", "0,2,4,16", "--plot", str(png),
-                 "-j", "1", "-q"]) == 0
+    assert (
+        main(["sweep", str(trace), "--capacities", "0,2,4,16", "--plot", str(png), "-j", "1", "-q"])
+        == 0
+    )
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -106,6 +130,8 @@ def test_bad_trace_line_in_a_worker_is_reported(
 ) -> None:
     trace = tmp_path / "bad.jsonl"
     trace.write_text('{"input_length": 3, "hash_ids": [1]}\n{"input_length": "x"}\n')
-    assert main(["sweep", str(trace), "--capacities", "1,2", "--policy", "s3fifo",
-                 "-j", "2", "-q"]) == 1
+    assert (
+        main(["sweep", str(trace), "--capacities", "1,2", "--policy", "s3fifo", "-j", "2", "-q"])
+        == 1
+    )
     assert "bad.jsonl:2" in capsys.readouterr().err

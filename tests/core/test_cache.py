@@ -125,3 +125,20 @@ def test_negative_token_count_is_rejected_without_change() -> None:
     with pytest.raises(UsageError, match="-1"):
         cache.access([1], -1)
     assert cache.stats.requests == 0 and len(cache) == 0
+
+
+def test_evictions_before_a_capacity_error_are_forgotten() -> None:
+    from prefixflight.core import CapacityError
+
+    cache = PrefixCache(S3FIFO(2, small_ratio=0.5), block_size=1)  # S holds 1, M holds 1
+    cache.publish(["x"], [0])
+    cache.access(["x"], 1)  # x is warm
+    cache.publish(["y"], [1])  # x moves to M, y waits in S
+    cache.pin(["x"])
+    with pytest.raises(CapacityError) as info:
+        cache.access(["q", "q", "z"], 3)  # q evicts y; z needs M, which is all pinned
+    assert info.value.applied == 2
+    assert cache.page("y") is None
+    assert cache.stats.evictions == 1
+    assert cache.stats.requests == 1  # the failed request is not counted
+    cache.check_invariants()

@@ -93,8 +93,7 @@ def test_stack_distance_is_the_lru_depth(records: list[TraceRecord]) -> None:
 def test_many_chunks_of_access_times(n: int) -> None:
     # thousands of accesses: the recency stack spans several chunks and Fenwick nodes
     records = [
-        TraceRecord(input_length=4 * 16, hash_ids=(i % 7, i % 300, i % 1201, i))
-        for i in range(n)
+        TraceRecord(input_length=4 * 16, hash_ids=(i % 7, i % 300, i % 1201, i)) for i in range(n)
     ]
     caps = [0, 3, 50, 400, 1300, 4000]
     curve = LRUCurve(caps, 16)
@@ -125,23 +124,47 @@ def test_curve_equals_replays_on_real_traces(name: str, capacities: list[int]) -
     report = replay(records, policy="lru", cache_capacity_blocks=capacities[0])
     point = lru_curve(records, capacities)[0]
     assert (point.total_hit_tokens, point.overall_hit_rate, point.final_cache_blocks) == (
-        report.total_hit_tokens, report.overall_hit_rate, report.final_cache_blocks
+        report.total_hit_tokens,
+        report.overall_hit_rate,
+        report.final_cache_blocks,
     )
 
 
 def test_point_to_dict_is_the_sweep_schema() -> None:
-    p = CurvePoint(capacity=8, total_requests=2, total_prompt_tokens=40, total_hit_tokens=10,
-                   final_cache_blocks=3)
-    assert p.to_dict() == {"capacity": 8, "total_hit_tokens": 10, "overall_hit_rate": 0.25,
-                           "final_cache_blocks": 3}
-    assert CurvePoint(capacity=1, total_requests=0, total_prompt_tokens=0, total_hit_tokens=0,
-                      final_cache_blocks=0).overall_hit_rate == 0.0
+    p = CurvePoint(
+        capacity=8,
+        total_requests=2,
+        total_prompt_tokens=40,
+        total_hit_tokens=10,
+        final_cache_blocks=3,
+    )
+    assert p.to_dict() == {
+        "capacity": 8,
+        "total_hit_tokens": 10,
+        "overall_hit_rate": 0.25,
+        "final_cache_blocks": 3,
+    }
+    assert (
+        CurvePoint(
+            capacity=1,
+            total_requests=0,
+            total_prompt_tokens=0,
+            total_hit_tokens=0,
+            final_cache_blocks=0,
+        ).overall_hit_rate
+        == 0.0
+    )
 
 
 @pytest.mark.parametrize(
     ("capacities", "match"),
-    [([], "at least one"), ([4, 4], "duplicates"), ([-1], "capacity"), ([True], "capacity"),
-     ([2.0], "capacity")],
+    [
+        ([], "at least one"),
+        ([4, 4], "duplicates"),
+        ([-1], "capacity"),
+        ([True], "capacity"),
+        ([2.0], "capacity"),
+    ],
 )
 def test_bad_capacities_are_rejected(capacities: list[object], match: str) -> None:
     with pytest.raises(ConfigError, match=match):

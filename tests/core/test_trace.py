@@ -49,3 +49,11 @@ def test_reader_streams_skips_blank_lines_and_counts_skipped() -> None:
     reader = TraceReader(lines, source="x", skip_invalid=True)
     assert [r.input_length for r in reader] == [1, 2]
     assert reader.skipped_lines == 1
+
+
+def test_trace_errors_cross_process_boundaries() -> None:
+    import pickle
+
+    err = TraceFormatError("t.jsonl", 3, "hash_ids", "missing")
+    back = pickle.loads(pickle.dumps(err))
+    assert (back.source, back.line, back.field, str(back)) == ("t.jsonl", 3, "hash_ids", str(err))

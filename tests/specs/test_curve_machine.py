@@ -50,6 +50,11 @@ def test_machine_catches_an_off_by_one_capacity() -> None:
     with pytest.raises((AssertionError, Flaky)):
         run_state_machine_as_test(
             LRUCurveConformance.for_factory(_OffByOne),
-            settings=settings(max_examples=300, stateful_step_count=20, deadline=None,
-                              report_multiple_bugs=False, phases=[Phase.generate]),
+            settings=settings(
+                max_examples=300,
+                stateful_step_count=20,
+                deadline=None,
+                report_multiple_bugs=False,
+                phases=[Phase.generate],
+            ),
         )

@@ -72,23 +72,47 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             "one replay per capacity in parallel processes."
         ),
     )
-    p.add_argument("trace", metavar="TRACE",
-                   help="a path, a .gz file, or bundled:conversation / bundled:synthetic")
-    p.add_argument("--policy", type=_policy, action="append", dest="policies", default=None,
-                   help="s3fifo or lru; repeat for both (default: both)")
-    p.add_argument("--capacities", type=parse_capacities, required=True, metavar="LIST",
-                   help="comma-separated capacities in blocks, or 'auto' (log-spaced up to "
-                        "the trace's distinct block count)")
+    p.add_argument(
+        "trace",
+        metavar="TRACE",
+        help="a path, a .gz file, or bundled:conversation / bundled:synthetic",
+    )
+    p.add_argument(
+        "--policy",
+        type=_policy,
+        action="append",
+        dest="policies",
+        default=None,
+        help="s3fifo or lru; repeat for both (default: both)",
+    )
+    p.add_argument(
+        "--capacities",
+        type=parse_capacities,
+        required=True,
+        metavar="LIST",
+        help="comma-separated capacities in blocks, or 'auto' (log-spaced up to "
+        "the trace's distinct block count)",
+    )
     p.add_argument("--block-size", type=int, default=512, metavar="B", help="default 512")
     p.add_argument("--small-ratio", type=float, default=0.1, help="S3FIFO small queue (0.1)")
     p.add_argument("--max-freq", type=int, default=3, help="S3FIFO freq cap (3)")
-    p.add_argument("--ghost-admit-freq", type=int, default=0,
-                   help="freq of a ghost hit admitted to main (0)")
-    p.add_argument("-j", "--jobs", type=int, default=None, metavar="N",
-                   help="worker processes for S3FIFO (default: CPU count)")
+    p.add_argument(
+        "--ghost-admit-freq", type=int, default=0, help="freq of a ghost hit admitted to main (0)"
+    )
+    p.add_argument(
+        "-j",
+        "--jobs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="worker processes for S3FIFO (default: CPU count)",
+    )
     p.add_argument("--json", metavar="FILE", help="write the curves as JSON here")
-    p.add_argument("--plot", metavar="FILE.png",
-                   help="draw hit rate versus capacity (needs the 'plot' extra: matplotlib)")
+    p.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="draw hit rate versus capacity (needs the 'plot' extra: matplotlib)",
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=run, parser=p)
 
@@ -132,14 +156,18 @@ def _s3fifo_points(
     if jobs <= 1 or len(configs) <= 1:
         points = progress(
             (_s3fifo_point(trace, c) for c in configs),
-            desc="s3fifo", unit="capacity", total=len(configs), quiet=quiet,
+            desc="s3fifo",
+            unit="capacity",
+            total=len(configs),
+            quiet=quiet,
         )
         return tuple(points)
     by_capacity: dict[int, CurvePoint] = {}
     with ProcessPoolExecutor(max_workers=min(jobs, len(configs))) as pool:
         futures = [pool.submit(_s3fifo_point, trace, c) for c in configs]
-        for fut in progress(as_completed(futures), desc="s3fifo", unit="capacity",
-                            total=len(futures), quiet=quiet):
+        for fut in progress(
+            as_completed(futures), desc="s3fifo", unit="capacity", total=len(futures), quiet=quiet
+        ):
             point = fut.result()
             by_capacity[point.capacity] = point
     return tuple(by_capacity[c.cache_capacity_blocks] for c in configs)
@@ -162,13 +190,20 @@ def sweep(
     if trace == "-":
         raise UsageError("sweep reads the trace more than once: give a file, not '-'")
     # validate the configuration before any long pass over the trace
-    base = ReplayConfig(cache_capacity_blocks=0, block_size=block_size,
-                        small_ratio=small_ratio, max_freq=max_freq,
-                        ghost_admit_freq=ghost_admit_freq)
+    base = ReplayConfig(
+        cache_capacity_blocks=0,
+        block_size=block_size,
+        small_ratio=small_ratio,
+        max_freq=max_freq,
+        ghost_admit_freq=ghost_admit_freq,
+    )
     if jobs is not None and jobs < 1:
         raise UsageError(f"--jobs must be >= 1, got {jobs}")
-    caps = tuple(capacities) if capacities is not None else auto_capacities(
-        _count_distinct(trace, quiet))
+    caps = (
+        tuple(capacities)
+        if capacities is not None
+        else auto_capacities(_count_distinct(trace, quiet))
+    )
     curves: dict[str, list[dict[str, Any]]] = {}
     for policy in dict.fromkeys(policies):  # distinct, in the order given
         if policy == "lru":
@@ -193,8 +228,11 @@ def format_table(doc: dict[str, Any]) -> str:
         row = [str(cap)]
         for policy in policies:
             point = doc["curves"][policy][i]
-            row += [f"{100 * point['overall_hit_rate']:.3f}%", str(point["total_hit_tokens"]),
-                    str(point["final_cache_blocks"])]
+            row += [
+                f"{100 * point['overall_hit_rate']:.3f}%",
+                str(point["total_hit_tokens"]),
+                str(point["final_cache_blocks"]),
+            ]
         rows.append(row)
     widths = [max(len(r[j]) for r in rows) for j in range(len(header))]
     lines = ["  ".join(cell.rjust(w) for cell, w in zip(r, widths, strict=True)) for r in rows]
@@ -206,9 +244,7 @@ def plot(doc: dict[str, Any], path: str, *, block_size: int) -> None:
     try:
         import matplotlib
     except ImportError:
-        raise UsageError(
-            "--plot needs matplotlib: pip install 'prefixflight[plot]'"
-        ) from None
+        raise UsageError("--plot needs matplotlib: pip install 'prefixflight[plot]'") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -217,8 +253,14 @@ def plot(doc: dict[str, Any], path: str, *, block_size: int) -> None:
     for policy, points in doc["curves"].items():
         xs = [p["capacity"] for p in points if p["capacity"] > 0]  # log axis: skip 0
         ys = [100 * p["overall_hit_rate"] for p in points if p["capacity"] > 0]
-        ax.plot(xs, ys, marker=markers.get(policy, "."), markersize=4, linewidth=1.6,
-                label=policy.upper() if policy == "lru" else "S3FIFO")
+        ax.plot(
+            xs,
+            ys,
+            marker=markers.get(policy, "."),
+            markersize=4,
+            linewidth=1.6,
+            label=policy.upper() if policy == "lru" else "S3FIFO",
+        )
     ax.set_xscale("log")
     ax.set_xlabel(f"cache capacity (blocks of {block_size} tokens, log scale)")
     ax.set_ylabel("token hit rate (%)")

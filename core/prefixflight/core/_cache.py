@@ -113,8 +113,8 @@ class PrefixCache:
         check_int("block_size", block_size, minimum=1)
         self._policy = policy
         # optional batch hook of the built-in policies (see S3FIFO.access_into)
-        self._access_into: Callable[[Sequence[BlockHash], list[BlockHash]], int] | None = (
-            getattr(policy, "access_into", None)
+        self._access_into: Callable[[Sequence[BlockHash], list[BlockHash]], int] | None = getattr(
+            policy, "access_into", None
         )
         evict_many = getattr(policy, "evict_many", None)
         self._evict_many: Callable[[int], list[BlockHash]] | None = evict_many
@@ -185,12 +185,19 @@ class PrefixCache:
         policy = self._policy
         k = policy.resident_prefix(blocks)
         hit = min(k * self._block_size, num_tokens)
-        if self._sink is None:
+        if self._sink is not None:
+            self._access_with_events(blocks, None)
+        elif self._access_into is not None:
+            evicted: list[BlockHash] = []
+            try:
+                self._access_into(blocks, evicted)
+            finally:  # blocks evicted before a CapacityError are forgotten too
+                if evicted:
+                    self._forget(evicted)
+        else:
             evicted = policy.access(blocks)
             if evicted:
                 self._forget(evicted)
-        else:
-            self._access_with_events(blocks, None)
         self._requests += 1  # counted only once every block was accessed
         self._prompt_tokens += num_tokens
         self._hit_tokens += hit

@@ -52,3 +52,6 @@ class TraceFormatError(UsageError):
         where = f"{source}:{line}"
         what = f"field {field!r}: " if field is not None else ""
         super().__init__(f"{where}: {what}{message}")
+
+    def __reduce__(self) -> tuple[type[TraceFormatError], tuple[str, int, str | None, str]]:
+        return (type(self), (self.source, self.line, self.field, self.reason))

@@ -80,9 +80,7 @@ class LRUCurveConformance(RuleBasedStateMachine):
     ref: ReferenceLRUCurve
 
     @classmethod
-    def for_factory(
-        cls, factory: Callable[[Sequence[int], int], Any]
-    ) -> type[LRUCurveConformance]:
+    def for_factory(cls, factory: Callable[[Sequence[int], int], Any]) -> type[LRUCurveConformance]:
         """A machine that checks curves made by ``factory(capacities, block_size)``."""
         name = getattr(factory, "__name__", "custom")
         return type(f"{cls.__name__}_{name}", (cls,), {"factory": staticmethod(factory)})
@@ -112,8 +110,13 @@ class LRUCurveConformance(RuleBasedStateMachine):
     def totals_agree(self) -> None:
         points = self.impl.points()
         got = [
-            (p.capacity, p.total_requests, p.total_prompt_tokens, p.total_hit_tokens,
-             p.final_cache_blocks)
+            (
+                p.capacity,
+                p.total_requests,
+                p.total_prompt_tokens,
+                p.total_hit_tokens,
+                p.final_cache_blocks,
+            )
             for p in points
         ]
         assert got == self.ref.totals(), f"totals: impl {got}, reference {self.ref.totals()}"
