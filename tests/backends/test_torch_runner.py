@@ -1,0 +1,377 @@
+"""TransformersRunner and PagedKVPool: reusing pages gives the logits of a full prefill.
+
+Every expectation comes from the model itself: a plain full forward over the same tokens,
+without any cache, is the reference.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from prefixflight.backends.torch import PagedKVPool, TransformersRunner  # noqa: E402
+from prefixflight.core import (  # noqa: E402
+    ConfigError,
+    DecodeWork,
+    PrefillWork,
+    StepPlan,
+    UsageError,
+)
+
+pytestmark = pytest.mark.torch
+
+ATOL = 1e-4
+VOCAB = 512
+FAST = settings(max_examples=25)
+
+
+def full_logits(model: Any, tokens: tuple[int, ...]) -> Any:
+    """The reference: last-position logits of one forward pass over all of ``tokens``."""
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([tokens])).logits[0, -1]
+
+
+def greedy_reference(model: Any, prompt: tuple[int, ...], n: int) -> list[int]:
+    """Greedy tokens, recomputing everything from scratch at every step (no cache at all)."""
+    seq = list(prompt)
+    out = []
+    for _ in range(n):
+        tok = int(full_logits(model, tuple(seq)).argmax())
+        out.append(tok)
+        seq.append(tok)
+    return out
+
+
+def make_runner(model: Any, *, num_pages: int, page_size: int) -> TransformersRunner:
+    return TransformersRunner.for_model(
+        model, num_pages=num_pages, page_size=page_size, device="cpu"
+    )
+
+
+def page_table(rng: random.Random, free: list[int], n: int) -> tuple[int, ...]:
+    """``n`` pages taken from ``free`` in random order (pages need not be contiguous)."""
+    rng.shuffle(free)
+    taken, free[:] = free[:n], free[n:]
+    return tuple(taken)
+
+
+def pages_for(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size)
+
+
+tokens_st = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=70).map(tuple)
+
+
+@FAST
+@given(prompt=tokens_st, page_size=st.integers(1, 8), data=st.data())
+def test_chunked_prefill_equals_full_prefill(
+    tiny_model: Any, prompt: tuple[int, ...], page_size: int, data: st.DataObject
+) -> None:
+    cuts = (
+        sorted(data.draw(st.sets(st.integers(1, len(prompt) - 1), max_size=3)))
+        if len(prompt) > 1
+        else []
+    )
+    bounds = [0, *cuts, len(prompt)]
+    runner = make_runner(tiny_model, num_pages=32, page_size=page_size)
+    pages = page_table(
+        random.Random(len(prompt)),
+        list(range(runner.pool.num_pages)),
+        pages_for(len(prompt), page_size),
+    )
+    for step, (a, b) in enumerate(itertools.pairwise(bounds)):
+        last = b == len(prompt)
+        work = PrefillWork(request_id="r", token_ids=prompt[a:b], start=a, pages=pages, sample=last)
+        result = runner.execute(StepPlan(step=step, prefills=(work,)))
+        assert [rid for rid, _ in result.sampled] == (["r"] if last else [])
+    expected = full_logits(tiny_model, prompt)
+    torch.testing.assert_close(runner.last_logits["r"], expected, atol=ATOL, rtol=0)
+    assert result.sampled == (("r", int(expected.argmax())),)
+
+
+@FAST
+@given(
+    shared=st.lists(st.integers(0, VOCAB - 1), min_size=0, max_size=60).map(tuple),
+    tail_a=tokens_st,
+    tail_b=tokens_st,
+    page_size=st.integers(1, 8),
+    seed=st.integers(0, 2**16),
+)
+def test_reusing_another_requests_pages_equals_full_prefill(
+    tiny_model: Any,
+    shared: tuple[int, ...],
+    tail_a: tuple[int, ...],
+    tail_b: tuple[int, ...],
+    page_size: int,
+    seed: int,
+) -> None:
+    """B reuses every full page A computed over their common prefix and prefills the rest."""
+    a, b = shared + tail_a, shared + tail_b
+    common = 0
+    while common < min(len(a), len(b)) and a[common] == b[common]:
+        common += 1
+    reused_pages = min(common, len(b) - 1) // page_size  # always compute B's last token
+    rng = random.Random(seed)
+    runner = make_runner(tiny_model, num_pages=48, page_size=page_size)
+    free = list(range(runner.pool.num_pages))
+    pages_a = page_table(rng, free, pages_for(len(a), page_size))
+    runner.execute(
+        StepPlan(
+            step=0,
+            prefills=(
+                PrefillWork(request_id="a", token_ids=a, start=0, pages=pages_a, sample=True),
+            ),
+        )
+    )
+    start = reused_pages * page_size
+    pages_b = pages_a[:reused_pages] + page_table(
+        rng, free, pages_for(len(b), page_size) - reused_pages
+    )
+    work = PrefillWork(request_id="b", token_ids=b[start:], start=start, pages=pages_b, sample=True)
+    runner.execute(StepPlan(step=1, prefills=(work,)))
+    torch.testing.assert_close(
+        runner.last_logits["b"], full_logits(tiny_model, b), atol=ATOL, rtol=0
+    )
+    # A's pages are untouched by B: A still decodes as if alone.
+    tok = int(runner.last_logits.get("a", full_logits(tiny_model, a)).argmax())
+    runner.execute(
+        StepPlan(
+            step=2,
+            decodes=(
+                DecodeWork(
+                    request_id="a",
+                    token_id=tok,
+                    position=len(a),
+                    pages=pages_a + page_table(rng, free, 1),
+                ),
+            ),
+        )
+    )
+    torch.testing.assert_close(
+        runner.last_logits["a"], full_logits(tiny_model, (*a, tok)), atol=ATOL, rtol=0
+    )
+
+
+@FAST
+@given(
+    prompts=st.lists(tokens_st, min_size=1, max_size=4),
+    page_size=st.integers(1, 8),
+    steps=st.integers(1, 6),
+    data=st.data(),
+)
+def test_batched_greedy_decode_matches_recomputation(
+    tiny_model: Any, prompts: list[tuple[int, ...]], page_size: int, steps: int, data: st.DataObject
+) -> None:
+    """Requests of different lengths decode together (padded batch) and each one's greedy
+    tokens and logits equal a from-scratch recomputation of that request alone."""
+    rng = random.Random(len(prompts) * 1000 + steps)
+    runner = make_runner(tiny_model, num_pages=200, page_size=page_size)
+    free = list(range(runner.pool.num_pages))
+    tables = {}
+    prefills = []
+    for i, p in enumerate(prompts):
+        tables[i] = page_table(rng, free, pages_for(len(p) + steps, page_size))
+        prefills.append(
+            PrefillWork(request_id=i, token_ids=p, start=0, pages=tables[i], sample=True)
+        )
+    result = runner.execute(StepPlan(step=0, prefills=tuple(prefills)))
+    generated = {rid: [tok] for rid, tok in result.sampled}
+    for step in range(1, steps):
+        live = data.draw(
+            st.sets(st.sampled_from(range(len(prompts))), min_size=1), label=f"batch {step}"
+        )
+        decodes = []
+        for i in sorted(live):
+            pos = len(prompts[i]) + len(generated[i]) - 1
+            decodes.append(
+                DecodeWork(request_id=i, token_id=generated[i][-1], position=pos, pages=tables[i])
+            )
+        result = runner.execute(StepPlan(step=step, decodes=tuple(decodes)))
+        for rid, tok in result.sampled:
+            seq = (*prompts[int(rid)], *generated[int(rid)])
+            torch.testing.assert_close(
+                runner.last_logits[rid], full_logits(tiny_model, seq), atol=ATOL, rtol=0
+            )
+            generated[int(rid)].append(tok)
+    for i, p in enumerate(prompts):
+        assert generated[i] == greedy_reference(tiny_model, p, len(generated[i]))
+
+
+def test_mixed_step_prefill_and_decode(tiny_model: Any) -> None:
+    """One plan with a prefill (over reused pages) and decodes returns prefills first."""
+    g = torch.Generator().manual_seed(3)
+    prompt = tuple(torch.randint(0, VOCAB, (40,), generator=g).tolist())
+    runner = make_runner(tiny_model, num_pages=40, page_size=4)
+    pages_a = tuple(range(12))
+    first = runner.execute(
+        StepPlan(
+            step=0,
+            prefills=(
+                PrefillWork(request_id="a", token_ids=prompt, start=0, pages=pages_a, sample=True),
+            ),
+        )
+    )
+    tok = first.sampled[0][1]
+    pages_b = (*pages_a[:9], 20, 21, 22)  # 36 tokens reused, 4 computed
+    plan = StepPlan(
+        step=1,
+        prefills=(
+            PrefillWork(
+                request_id="b", token_ids=prompt[36:], start=36, pages=pages_b, sample=True
+            ),
+        ),
+        decodes=(DecodeWork(request_id="a", token_id=tok, position=40, pages=pages_a),),
+    )
+    result = runner.execute(plan)
+    assert [rid for rid, _ in result.sampled] == ["b", "a"]
+    torch.testing.assert_close(
+        runner.last_logits["b"], full_logits(tiny_model, prompt), atol=ATOL, rtol=0
+    )
+    torch.testing.assert_close(
+        runner.last_logits["a"], full_logits(tiny_model, (*prompt, tok)), atol=ATOL, rtol=0
+    )
+    assert result.sampled[0][1] == tok  # same prompt, same greedy first token
+
+
+@pytest.mark.parametrize(
+    ("work", "message"),
+    [
+        (
+            PrefillWork(request_id="x", token_ids=(), start=0, pages=(0,), sample=True),
+            "at least one token",
+        ),
+        (PrefillWork(request_id="x", token_ids=(1,), start=-1, pages=(0,), sample=True), "-1"),
+        (
+            PrefillWork(request_id="x", token_ids=(VOCAB,), start=0, pages=(0,), sample=True),
+            str(VOCAB),
+        ),
+        (
+            PrefillWork(request_id="x", token_ids=(1,) * 9, start=0, pages=(0, 1), sample=True),
+            "need 9",
+        ),
+        (PrefillWork(request_id="x", token_ids=(1,), start=0, pages=(99,), sample=True), "page 99"),
+        (DecodeWork(request_id="x", token_id=1, position=8, pages=(0, 1)), "need 9"),
+        (DecodeWork(request_id="x", token_id=-3, position=0, pages=(0,)), "-3"),
+        (DecodeWork(request_id="x", token_id=1, position=-2, pages=(0,)), "-2"),
+    ],
+)
+def test_bad_plan_is_rejected_and_writes_nothing(tiny_model: Any, work: Any, message: str) -> None:
+    runner = make_runner(tiny_model, num_pages=8, page_size=4)
+    ok = PrefillWork(request_id="ok", token_ids=tuple(range(8)), start=0, pages=(2, 3), sample=True)
+    runner.execute(StepPlan(step=0, prefills=(ok,)))
+    before = [runner.pool.page_tensor(p) for p in range(8)]
+    logits_before = dict(runner.last_logits)
+    plan = StepPlan(
+        step=1,
+        prefills=(ok,) if isinstance(work, DecodeWork) else (ok, work),
+        decodes=(work,) if isinstance(work, DecodeWork) else (),
+    )
+    with pytest.raises(UsageError, match=message):
+        runner.execute(plan)
+    assert all(torch.equal(b, runner.pool.page_tensor(p)) for p, b in enumerate(before))
+    assert runner.last_logits.keys() == logits_before.keys()
+
+
+def test_duplicate_request_in_one_plan_is_rejected(tiny_model: Any) -> None:
+    runner = make_runner(tiny_model, num_pages=8, page_size=4)
+    w = PrefillWork(request_id=7, token_ids=(1, 2), start=0, pages=(0,), sample=True)
+    d = DecodeWork(request_id=7, token_id=1, position=2, pages=(0,))
+    with pytest.raises(UsageError, match="request 7 appears twice"):
+        runner.execute(StepPlan(step=0, prefills=(w,), decodes=(d,)))
+
+
+def test_pool_shape_must_fit_the_model(tiny_factory: Any) -> None:
+    model = tiny_factory("llama", 0)
+    pool = PagedKVPool(num_layers=3, num_kv_heads=2, head_dim=16, num_pages=4, device="cpu")
+    with pytest.raises(ConfigError, match=r"\(3, 2, 16\)"):
+        TransformersRunner(model, pool)
+
+
+def test_pool_write_and_gather_round_trip() -> None:
+    pool = PagedKVPool(
+        num_layers=2, num_kv_heads=3, head_dim=4, num_pages=5, page_size=4, device="cpu"
+    )
+    assert pool.bytes_per_token == 2 * 2 * 3 * 4 * 4
+    assert pool.nbytes == pool.bytes_per_token * 5 * 4
+    pages = (4, 1, 3)
+    slots = pool.slots(pages, 2, 11)
+    assert slots.tolist() == [18, 19, 4, 5, 6, 7, 12, 13, 14]
+    kv = torch.randn(2, 2, 9, 3, 4)
+    pool.write(slots, kv)
+    assert torch.equal(pool.gather(slots), kv)
+    assert torch.equal(pool.page_tensor(1), kv[:, :, 2:6])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"num_pages": 0}, "num_pages must be >= 1, got 0"),
+        ({"page_size": 0}, "page_size must be >= 1, got 0"),
+        ({"device": "tpu"}, "'tpu'"),
+        ({"dtype": "int8"}, "'int8'"),
+    ],
+)
+def test_pool_config_errors_name_the_value(kwargs: dict[str, Any], message: str) -> None:
+    args: dict[str, Any] = {
+        "num_layers": 1,
+        "num_kv_heads": 1,
+        "head_dim": 2,
+        "num_pages": 2,
+    } | kwargs
+    with pytest.raises(ConfigError, match=message):
+        PagedKVPool(**args)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is present")
+def test_cuda_request_without_cuda_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="no CUDA device"):
+        PagedKVPool(num_layers=1, num_kv_heads=1, head_dim=2, num_pages=2, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_reuse_on_cuda_matches_full_prefill(tiny_model: Any) -> None:
+    model = tiny_model.to("cuda", torch.float32)
+    try:
+        runner = TransformersRunner.for_model(
+            model, num_pages=32, page_size=4, device="cuda", dtype="fp32"
+        )
+        prompt = tuple(range(1, 51))
+        runner.execute(
+            StepPlan(
+                step=0,
+                prefills=(
+                    PrefillWork(
+                        request_id="a",
+                        token_ids=prompt,
+                        start=0,
+                        pages=tuple(range(13)),
+                        sample=True,
+                    ),
+                ),
+            )
+        )
+        pages_b = (*tuple(range(10)), 20, 21, 22)
+        runner.execute(
+            StepPlan(
+                step=1,
+                prefills=(
+                    PrefillWork(
+                        request_id="b", token_ids=prompt[40:], start=40, pages=pages_b, sample=True
+                    ),
+                ),
+            )
+        )
+        with torch.inference_mode():
+            ref = model(input_ids=torch.tensor([prompt], device="cuda")).logits[0, -1]
+        torch.testing.assert_close(runner.last_logits["b"], ref, atol=ATOL, rtol=0)
+    finally:
+        tiny_model.to("cpu")
