@@ -375,3 +375,67 @@ def test_reuse_on_cuda_matches_full_prefill(tiny_model: Any) -> None:
         torch.testing.assert_close(runner.last_logits["b"], ref, atol=ATOL, rtol=0)
     finally:
         tiny_model.to("cpu")
+
+
+@FAST
+@given(
+    prompts=st.lists(tokens_st, min_size=2, max_size=5),
+    page_size=st.integers(1, 8),
+    long_chunk=st.sampled_from([1, 8, 64, 10**6]),
+    data=st.data(),
+)
+def test_one_plan_of_many_chunks_equals_full_prefills(
+    tiny_model: Any,
+    prompts: list[tuple[int, ...]],
+    page_size: int,
+    long_chunk: int,
+    data: st.DataObject,
+) -> None:
+    """Several requests each resume at a random point in one plan: however the runner
+    batches them (padded rows, cold rows with no context, long rows alone) every request's
+    logits equal its own full prefill."""
+    rng = random.Random(page_size * 7 + len(prompts))
+    runner = TransformersRunner.for_model(
+        tiny_model, num_pages=200, page_size=page_size, device="cpu", long_chunk=long_chunk
+    )
+    free = list(range(runner.pool.num_pages))
+    tables, starts = [], []
+    for i, p in enumerate(prompts):
+        tables.append(page_table(rng, free, pages_for(len(p), page_size)))
+        start = data.draw(st.integers(0, len(p) - 1), label=f"start {i}")
+        starts.append(start)
+        if start:
+            work = PrefillWork(
+                request_id=i, token_ids=p[:start], start=0, pages=tables[i], sample=False
+            )
+            runner.execute(StepPlan(step=0, prefills=(work,)))
+    plan = StepPlan(
+        step=1,
+        prefills=tuple(
+            PrefillWork(request_id=i, token_ids=p[s:], start=s, pages=t, sample=True)
+            for i, (p, s, t) in enumerate(zip(prompts, starts, tables, strict=True))
+        ),
+    )
+    result = runner.execute(plan)
+    assert [rid for rid, _ in result.sampled] == list(range(len(prompts)))
+    for i, p in enumerate(prompts):
+        torch.testing.assert_close(
+            runner.last_logits[i], full_logits(tiny_model, p), atol=ATOL, rtol=0
+        )
+
+
+@given(lengths=st.lists(st.integers(1, 100), max_size=12), long_chunk=st.integers(1, 80))
+def test_batches_cover_every_row_once_and_keep_long_chunks_alone(
+    lengths: list[int], long_chunk: int
+) -> None:
+    from prefixflight.backends.torch._runner import _batches, _Row
+
+    rows = [_Row(i, (0,) * n, 0, (), True) for i, n in enumerate(lengths)]
+    groups = _batches(rows, long_chunk)
+    assert sorted(r.request_id for g in groups for r in g) == list(range(len(rows)))
+    for g in groups:
+        assert g
+        if any(len(r.tokens) >= long_chunk for r in g):
+            assert len(g) == 1
+        real = sum(len(r.tokens) for r in g)
+        assert len(g) * max(len(r.tokens) for r in g) <= 2 * real

@@ -14,7 +14,7 @@ transformers caches them, so a gathered prefix is exactly what a full prefill wo
 
 from __future__ import annotations
 
-from typing import Any, final
+from typing import Any, NamedTuple, final
 
 import torch
 from prefixflight.core import (
@@ -26,6 +26,7 @@ from prefixflight.core import (
     StepResult,
     UsageError,
 )
+from prefixflight.core._validate import check_int
 from transformers import DynamicCache
 
 from ._pool import PagedKVPool
@@ -43,9 +44,9 @@ class TransformersRunner:
     `execute`, `last_logits` holds the logits each sampled request was sampled from.
     """
 
-    __slots__ = ("_config", "_samplers", "_vocab", "last_logits", "model", "pool")
+    __slots__ = ("_config", "_samplers", "_vocab", "last_logits", "long_chunk", "model", "pool")
 
-    def __init__(self, model: Any, pool: PagedKVPool) -> None:
+    def __init__(self, model: Any, pool: PagedKVPool, *, long_chunk: int = 64) -> None:
         config = model.config
         param = next(model.parameters())
         if param.device != pool.device and not (
@@ -62,6 +63,7 @@ class TransformersRunner:
                 f"{(pool.num_layers, pool.num_kv_heads, pool.head_dim)} does not fit the "
                 f"model's {shape}"
             )
+        self.long_chunk = check_int("long_chunk", long_chunk, minimum=1)
         self.model = model.eval()
         self.pool = pool
         self._config = config
@@ -78,12 +80,13 @@ class TransformersRunner:
         page_size: int = 16,
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
+        long_chunk: int = 64,
     ) -> TransformersRunner:
         """Move ``model`` to ``device``/``dtype`` (auto: CUDA if present) and give it a pool."""
         pool = PagedKVPool.for_model(
             model.config, num_pages=num_pages, page_size=page_size, device=device, dtype=dtype
         )
-        return cls(model.to(device=pool.device, dtype=pool.dtype), pool)
+        return cls(model.to(device=pool.device, dtype=pool.dtype), pool, long_chunk=long_chunk)
 
     # -- per-request sampling state -------------------------------------------------------
     def set_sampling(self, request_id: RequestId, params: SamplingParams) -> None:
@@ -97,26 +100,26 @@ class TransformersRunner:
 
     # -- execution -------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
-        """Run one plan and return the sampled tokens, prefills first, in plan order.
+        """Run one plan and return the sampled tokens in plan order (prefills first).
 
         The whole plan is validated first: a bad plan raises `UsageError` and writes nothing.
         """
         self._validate(plan)
-        sampled: list[tuple[RequestId, int]] = []
+        rows = [_Row(p.request_id, p.token_ids, p.start, p.pages, p.sample) for p in plan.prefills]
+        rows += [_Row(d.request_id, (d.token_id,), d.position, d.pages, True) for d in plan.decodes]
         logits: dict[RequestId, torch.Tensor] = {}
         with torch.inference_mode():
-            for prefill in plan.prefills:
-                row = self._prefill(prefill)
-                if prefill.sample:
-                    logits[prefill.request_id] = row
-            if plan.decodes:
-                rows = self._decode(plan.decodes)
-                for decode, row in zip(plan.decodes, rows, strict=True):
-                    logits[decode.request_id] = row
-            for rid, row in logits.items():
-                sampler = self._samplers.get(rid)
-                token = sampler.sample(row) if sampler is not None else int(row.argmax().item())
-                sampled.append((rid, token))
+            for group in _batches(rows, self.long_chunk):
+                for row, out in zip(group, self._forward(group), strict=True):
+                    if row.sample:
+                        logits[row.request_id] = out
+            sampled = []
+            for row in rows:
+                if row.sample:
+                    sampler = self._samplers.get(row.request_id)
+                    out = logits[row.request_id]
+                    tok = sampler.sample(out) if sampler is not None else int(out.argmax().item())
+                    sampled.append((row.request_id, tok))
         self.last_logits = logits
         return StepResult(step=plan.step, sampled=tuple(sampled))
 
@@ -148,67 +151,101 @@ class TransformersRunner:
                 raise UsageError(f"{what}: token id {bad[0]!r} is not in [0, {self._vocab})")
             pool.check_pages(work.pages, end, what=what)
 
-    def _cache(self, kv: torch.Tensor | None) -> DynamicCache:
-        """A ``DynamicCache`` over ``kv`` (``[layers, 2, batch, heads, seq, dim]``) or empty."""
-        if kv is None:
-            return DynamicCache(config=self._config)
-        return DynamicCache([(kv[i, 0], kv[i, 1]) for i in range(kv.shape[0])], config=self._config)
+    def _forward(self, group: list[_Row]) -> torch.Tensor:
+        """One forward pass over ``group``; returns each row's last-position logits.
 
-    def _prefill(self, work: PrefillWork) -> torch.Tensor:
-        pool = self.pool
-        start, end = work.start, work.start + len(work.token_ids)
-        ctx = None
-        if start:
-            # [L, 2, start, H, D] -> [L, 2, 1, H, start, D]
-            ctx = pool.gather(pool.slots(work.pages, 0, start)).permute(0, 1, 3, 2, 4)[:, :, None]
-        cache = self._cache(ctx)
-        ids = torch.tensor([work.token_ids], dtype=torch.long, device=pool.device)
-        out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
-        new = torch.stack(
-            [
-                torch.stack((layer.keys[0, :, start:], layer.values[0, :, start:]))
-                for layer in out.cache.layers
-            ]
-        )  # [L, 2, H, n, D]
-        pool.write(pool.slots(work.pages, start, end), new.transpose(2, 3))
-        row: torch.Tensor = out.logits[0, -1]
-        return row
-
-    def _decode(self, decodes: tuple[DecodeWork, ...]) -> torch.Tensor:
+        Layout: the cache holds every row's gathered context right-padded to the longest
+        (``K`` columns); the queries are every row's chunk right-aligned in ``Q`` columns, so
+        the last real token of every row sits in the last column (``logits_to_keep=1``).
+        A 4D boolean mask lets each real query see its own context and the chunk causally;
+        a padding query sees only itself, so no row is ever fully masked.
+        """
         pool = self.pool
         dev = pool.device
-        batch = len(decodes)
-        width = max(d.position for d in decodes)
-        ctx = None
-        mask = torch.zeros((batch, width + 1), dtype=torch.long, device=dev)
-        mask[:, width] = 1
+        batch = len(group)
+        width = max(r.start for r in group)  # K
+        q = max(len(r.tokens) for r in group)  # Q
+        cache = DynamicCache(config=self._config)
         if width:
             slots = torch.zeros((batch, width), dtype=torch.long, device=dev)
-            for i, d in enumerate(decodes):
-                if d.position:
-                    slots[i, : d.position] = pool.slots(d.pages, 0, d.position)
-                    mask[i, : d.position] = 1
-            gathered = pool.gather(slots.view(-1))  # [L, 2, B*W, H, D]
-            ctx = gathered.view(pool.num_layers, 2, batch, width, pool.num_kv_heads, pool.head_dim)
-            ctx = ctx.transpose(3, 4)  # [L, 2, B, H, W, D]
-        cache = self._cache(ctx)
-        ids = torch.tensor([[d.token_id] for d in decodes], dtype=torch.long, device=dev)
-        pos = torch.tensor([[d.position] for d in decodes], dtype=torch.long, device=dev)
-        out = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=pos,
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+            for i, r in enumerate(group):
+                if r.start:
+                    slots[i, : r.start] = pool.slots(r.pages, 0, r.start)
+            shape = (pool.num_layers, 2, batch, width, pool.num_kv_heads, pool.head_dim)
+            ctx = pool.gather(slots.view(-1)).view(shape).transpose(3, 4)  # [L, 2, B, H, K, D]
+            cache = DynamicCache(
+                [(ctx[i, 0], ctx[i, 1]) for i in range(shape[0])], config=self._config
+            )
+        if batch == 1:  # no padding: plain causal attention, positions follow the cache
+            r = group[0]
+            ids = torch.tensor([r.tokens], dtype=torch.long, device=dev)
+            out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        else:
+            ids = torch.zeros((batch, q), dtype=torch.long, device=dev)
+            pos = torch.zeros((batch, q), dtype=torch.long, device=dev)
+            mask = torch.zeros((batch, 1, q, width + q), dtype=torch.bool, device=dev)
+            diag = torch.arange(q, device=dev)
+            causal = torch.ones((q, q), dtype=torch.bool, device=dev).tril()
+            for i, r in enumerate(group):
+                n = len(r.tokens)
+                off = q - n
+                ids[i, off:] = torch.tensor(r.tokens, dtype=torch.long, device=dev)
+                pos[i, off:] = torch.arange(r.start, r.start + n, device=dev)
+                mask[i, 0, off:, : r.start] = True
+                mask[i, 0, off:, width + off :] = causal[:n, :n]
+                mask[i, 0, diag[:off], width + diag[:off]] = True
+            out = self.model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=pos,
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        layers = out.cache.layers
         new = torch.stack(
             [
-                torch.stack((layer.keys[:, :, width], layer.values[:, :, width]))
-                for layer in out.cache.layers
+                torch.stack((layer.keys[:, :, width:], layer.values[:, :, width:]))
+                for layer in layers
             ]
-        )  # [L, 2, B, H, D]
-        new_slots = torch.cat([pool.slots(d.pages, d.position, d.position + 1) for d in decodes])
-        pool.write(new_slots, new)
-        rows: torch.Tensor = out.logits[:, -1]
-        return rows
+        )  # [L, 2, B, H, Q, D]
+        chunks, slots_new = [], []
+        for i, r in enumerate(group):
+            n = len(r.tokens)
+            chunks.append(new[:, :, i, :, q - n :])  # [L, 2, H, n, D]
+            slots_new.append(pool.slots(r.pages, r.start, r.start + n))
+        pool.write(torch.cat(slots_new), torch.cat(chunks, dim=3).transpose(2, 3))
+        logits: torch.Tensor = out.logits[:, -1]
+        return logits
+
+
+class _Row(NamedTuple):
+    """One request's share of a step: ``tokens`` at positions ``start ..``."""
+
+    request_id: RequestId
+    tokens: tuple[int, ...]
+    start: int
+    pages: tuple[int, ...]
+    sample: bool
+
+
+def _batches(rows: list[_Row], long_chunk: int) -> list[list[_Row]]:
+    """Split a step's rows into forward passes.
+
+    A chunk of ``long_chunk`` tokens or more runs alone (batching long prefills buys nothing
+    on CPU and pads a lot). Short chunks (decodes, the few tokens a cache hit leaves to
+    compute) are batched, shortest first, as long as padding at most doubles the work.
+    """
+    out: list[list[_Row]] = [[r] for r in rows if len(r.tokens) >= long_chunk]
+    group: list[_Row] = []
+    real = 0
+    for r in sorted((r for r in rows if len(r.tokens) < long_chunk), key=lambda r: len(r.tokens)):
+        n = len(r.tokens)
+        if group and (len(group) + 1) * n > 2 * (real + n):
+            out.append(group)
+            group, real = [], 0
+        group.append(r)
+        real += n
+    if group:
+        out.append(group)
+    return out
