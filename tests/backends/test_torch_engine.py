@@ -1,0 +1,258 @@
+"""AsyncEngine: concurrent requests, single flight, cancellation and shutdown on a tiny model.
+
+Expected tokens come from the model alone (a from-scratch greedy recomputation, or the same
+request served alone); expected reuse comes from the page arithmetic of the prompt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from prefixflight.backends.torch import (  # noqa: E402
+    AsyncEngine,
+    EngineClosedError,
+    EngineConfig,
+    SamplingParams,
+    TransformersRunner,
+)
+from prefixflight.core import (  # noqa: E402
+    ConfigError,
+    FinishReason,
+    ReleasePolicy,
+    Role,
+    UsageError,
+)
+
+pytestmark = pytest.mark.torch
+
+T = TypeVar("T")
+PAGE = 4
+
+
+def run(coro_fn: Callable[[], Awaitable[T]]) -> T:
+    async def main() -> T:
+        return await coro_fn()
+
+    return asyncio.run(main())
+
+
+def greedy_reference(model: Any, prompt: list[int], n: int) -> list[int]:
+    seq = list(prompt)
+    with torch.inference_mode():
+        for _ in range(n):
+            seq.append(int(model(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(prompt) :]
+
+
+def engine_for(model: Any, **config: Any) -> AsyncEngine:
+    cfg = EngineConfig(num_pages=128, page_size=PAGE, max_batch_tokens=64, max_running=8, **config)
+    return AsyncEngine.from_model(model, cfg, device="cpu")
+
+
+def prompt_of(seed: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return [int(t) for t in torch.randint(0, 512, (n,), generator=g)]
+
+
+@pytest.mark.parametrize("policy", list(ReleasePolicy))
+def test_identical_requests_share_one_prefill_and_match_greedy(
+    tiny_model: Any, policy: ReleasePolicy
+) -> None:
+    prompt = prompt_of(1, 30)
+    expected = greedy_reference(tiny_model, prompt, 6)
+
+    async def main() -> list[Any]:
+        async with engine_for(tiny_model, release_policy=policy) as engine:
+            gens = [engine.generate(prompt, SamplingParams(max_tokens=6)) for _ in range(4)]
+            outputs = await asyncio.gather(*(collect(g) for g in gens))
+            assert all(out == expected for out in outputs)
+            usage = engine.scheduler.page_usage()
+            assert usage.pinned == usage.private == 0  # everything released
+            return [g.report for g in gens]
+
+    reports = run(main)
+    roles = sorted(r.role.name for r in reports)
+    if policy is ReleasePolicy.INDEPENDENT:
+        assert roles == ["INDEPENDENT"] * 4
+    else:
+        assert roles == ["FOLLOWER"] * 3 + ["LEADER"]
+        reusable = (len(prompt) - 1) // PAGE * PAGE  # the last prompt token is recomputed
+        for r in reports:
+            assert r.cached_tokens == (0 if r.role is Role.LEADER else reusable)
+    assert all(r.finish_reason is FinishReason.LENGTH and r.ttft is not None for r in reports)
+
+
+async def collect(gen: Any) -> list[int]:
+    return [tok async for tok in gen]
+
+
+def test_followers_sample_like_requests_served_alone(tiny_model: Any) -> None:
+    """Flights coordinate prefill, not answers: seeded followers produce exactly what each
+    request produces when served alone on a fresh engine."""
+    prompt = prompt_of(2, 25)
+    params = [SamplingParams(max_tokens=5, temperature=1.2, top_p=0.9, seed=s) for s in range(4)]
+
+    async def together() -> list[list[int]]:
+        async with engine_for(tiny_model) as engine:
+            return list(
+                await asyncio.gather(*(collect(engine.generate(prompt, p)) for p in params))
+            )
+
+    async def alone(p: SamplingParams) -> list[int]:
+        async with engine_for(tiny_model) as engine:
+            return await collect(engine.generate(prompt, p))
+
+    shared = run(together)
+    assert shared == [run(lambda p=p: alone(p)) for p in params]  # type: ignore[misc]
+    assert len({tuple(s) for s in shared}) > 1
+
+
+def test_cancelled_leader_hands_over_and_releases_its_pages(tiny_model: Any) -> None:
+    prompt = prompt_of(3, 33)
+    expected = greedy_reference(tiny_model, prompt, 8)
+
+    async def main() -> None:
+        async with engine_for(tiny_model, release_policy=ReleasePolicy.ON_COMPLETION) as engine:
+            leader = engine.generate(prompt, SamplingParams(max_tokens=50))
+            followers = [engine.generate(prompt, SamplingParams(max_tokens=8)) for _ in range(2)]
+            first = asyncio.get_running_loop().create_future()
+
+            async def consume_leader() -> None:
+                async for _ in leader:
+                    if not first.done():
+                        first.set_result(None)
+
+            task = asyncio.create_task(consume_leader())
+            await first
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert leader.report is not None
+            assert leader.report.finish_reason is FinishReason.ABORTED
+            outs = await asyncio.gather(*(collect(f) for f in followers))
+            assert outs == [expected, expected]
+            usage = engine.scheduler.page_usage()
+            assert usage.pinned == usage.private == 0
+            engine.scheduler.check_invariants()
+
+    run(main)
+
+
+def test_close_aborts_unfinished_requests_and_rejects_new_ones(tiny_model: Any) -> None:
+    async def main() -> None:
+        engine = engine_for(tiny_model)
+        gen = engine.generate(prompt_of(4, 20), SamplingParams(max_tokens=100))
+        got = [await gen.__anext__()]
+        await engine.close()
+        with pytest.raises(EngineClosedError):
+            async for tok in gen:
+                got.append(tok)
+        assert gen.report is not None and gen.report.finish_reason is FinishReason.ABORTED
+        assert engine.closed
+        with pytest.raises(EngineClosedError):
+            engine.generate([1, 2, 3])
+        assert len(got) < 100
+
+    run(main)
+
+
+def test_model_step_runs_off_the_event_loop_thread(
+    tiny_model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    threads: set[int] = set()
+    original = TransformersRunner.execute
+
+    def spy(self: TransformersRunner, plan: Any) -> Any:
+        threads.add(threading.get_ident())
+        return original(self, plan)
+
+    monkeypatch.setattr(TransformersRunner, "execute", spy)
+
+    async def main() -> None:
+        async with engine_for(tiny_model) as engine:
+            await collect(engine.generate(prompt_of(5, 10), SamplingParams(max_tokens=3)))
+
+    run(main)
+    assert threads and threading.get_ident() not in threads
+
+
+def test_backend_failure_fails_every_request(
+    tiny_model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def boom(self: TransformersRunner, plan: Any) -> Any:
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(TransformersRunner, "execute", boom)
+
+    async def main() -> None:
+        async with engine_for(tiny_model) as engine:
+            gens = [engine.generate(prompt_of(i, 9)) for i in range(3)]
+            for g in gens:
+                with pytest.raises(RuntimeError, match="device lost"):
+                    await collect(g)
+            with pytest.raises(EngineClosedError):
+                engine.generate([1, 2])
+
+    run(main)
+
+
+def test_bad_requests_are_rejected_and_change_nothing(tiny_model: Any) -> None:
+    async def main() -> None:
+        async with engine_for(tiny_model) as engine:
+            engine.generate([1, 2, 3], request_id="a")
+            before = engine.scheduler.requests()
+            with pytest.raises(UsageError, match="duplicate request id 'a'"):
+                engine.generate([4, 5], request_id="a")
+            with pytest.raises(UsageError, match="tokenizer"):
+                engine.generate("hello")
+            with pytest.raises(UsageError, match="empty prompt"):
+                engine.generate([])
+            with pytest.raises(UsageError, match="needs"):
+                engine.generate([1] * 1000, SamplingParams(max_tokens=1))
+            assert engine.scheduler.requests() == before
+
+    run(main)
+
+
+def test_text_prompts_use_the_tokenizer(tiny_model: Any) -> None:
+    def tokenizer(text: str) -> dict[str, list[int]]:
+        return {"input_ids": [ord(c) % 512 for c in text]}
+
+    async def main() -> list[int]:
+        cfg = EngineConfig(num_pages=64, page_size=PAGE, max_batch_tokens=64, max_running=4)
+        runner = TransformersRunner.for_model(tiny_model, num_pages=64, page_size=PAGE)
+        async with AsyncEngine(runner, cfg, tokenizer=tokenizer) as engine:
+            return await collect(engine.generate("hi there", SamplingParams(max_tokens=3)))
+
+    assert run(main) == greedy_reference(tiny_model, [ord(c) % 512 for c in "hi there"], 3)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"release_policy": "after_prefill"}, "release_policy must be a ReleasePolicy"),
+        ({"eviction": "fifo"}, "'fifo'"),
+        ({"max_wait": -1.0}, "-1.0"),
+        ({"num_pages": 0}, "num_pages must be >= 1, got 0"),
+        ({"max_running": 8, "max_batch_tokens": 4}, r"max_batch_tokens \(4\)"),
+    ],
+)
+def test_engine_config_errors_name_the_value(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        EngineConfig(**kwargs)
+
+
+def test_engine_config_must_fit_the_pool(tiny_model: Any) -> None:
+    runner = TransformersRunner.for_model(tiny_model, num_pages=8, page_size=PAGE)
+    with pytest.raises(ConfigError, match="page_size 16"):
+        AsyncEngine(runner, EngineConfig(num_pages=8, page_size=16))
+    with pytest.raises(ConfigError, match="num_pages 9"):
+        AsyncEngine(runner, EngineConfig(num_pages=9, page_size=PAGE))
