@@ -1,0 +1,173 @@
+"""``prefixflight bench ttft``: seed 000's TTFT experiments on a real model (torch extra).
+
+The torch backend is imported inside the command, so the rest of the CLI never needs torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from prefixflight.core import UsageError
+
+from ._progress import progress
+
+__all__ = ["measure_ttft", "register", "run_ttft"]
+
+EXPERIMENTS = ("warm_prefix", "incremental_publication", "single_flight", "late_arrival")
+
+
+def _sizes(value: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(v) for v in value.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {value!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"sizes must be >= 1, got {value!r}")
+    return sizes
+
+
+def _experiments(value: str) -> tuple[str, ...]:
+    names = tuple(v.strip() for v in value.split(",") if v.strip())
+    bad = [n for n in names if n not in EXPERIMENTS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"invalid experiment {(bad or [value])[0]!r} (choose from {', '.join(EXPERIMENTS)})"
+        )
+    return names
+
+
+def add_model_options(p: argparse.ArgumentParser) -> None:
+    """Options shared by ``bench ttft`` and ``demo``."""
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    p.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (CUDA default)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="torch CPU threads (default: torch's choice, the core count)",
+    )
+    p.add_argument("--json", metavar="FILE", help="also write the report as JSON here")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    bench = sub.add_parser(
+        "bench",
+        help="measure on a real model (needs the torch extra)",
+        description="Benchmarks on a real model with the torch backend.",
+    )
+    which = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    p = which.add_parser(
+        "ttft",
+        help="seed 000's TTFT experiments on SmolLM2-135M",
+        description=(
+            "Run seed 000's four experiments (warm prefix, incremental publication, single "
+            "flight, late arrival) with prefixflight's engine on SmolLM2-135M-Instruct, "
+            "interleaving strategies, and print medians over repetitions."
+        ),
+    )
+    p.add_argument("--repetitions", type=int, default=3, metavar="N", help="default 3")
+    p.add_argument("--output-tokens", type=int, default=128, metavar="N", help="default 128")
+    p.add_argument(
+        "--experiments",
+        type=_experiments,
+        default=EXPERIMENTS,
+        metavar="LIST",
+        help="comma-separated subset of " + ", ".join(EXPERIMENTS),
+    )
+    p.add_argument(
+        "--concurrency",
+        type=_sizes,
+        default=(2, 4, 8),
+        metavar="LIST",
+        help="request counts for experiments 2 and 3 (default 2,4,8)",
+    )
+    p.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=1024,
+        metavar="N",
+        help="scheduler token budget per step (default 1024)",
+    )
+    add_model_options(p)
+    p.set_defaults(func=run_ttft)
+
+
+def measure_ttft(
+    args: argparse.Namespace,
+    config: Any,
+    *,
+    label: str,
+    before: Callable[[Any, Any], None] | None = None,
+) -> dict[str, Any]:
+    """Load the model, run every planned run with a progress bar, return the summary."""
+    # the backend sets OMP_WAIT_POLICY=PASSIVE before it imports torch: import it first
+    from prefixflight.backends.torch import TransformersRunner, load_smollm2
+    from prefixflight.backends.torch import _bench as bench
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise UsageError(f"--threads must be >= 1, got {args.threads!r}")
+        bench.set_threads(args.threads)
+    started = time.perf_counter()
+    loaded = load_smollm2(device=None if args.device == "auto" else args.device, dtype=args.dtype)
+    runner = TransformersRunner.for_model(
+        loaded.model,
+        num_pages=config.num_pages,
+        page_size=config.page_size,
+        device=loaded.model.device,
+        dtype=loaded.model.dtype,
+    )
+    if not args.quiet:
+        print(
+            f"{label}: {loaded.name} loaded in {time.perf_counter() - started:.1f} s, "
+            f"{runner.pool!r}",
+            file=sys.stderr,
+        )
+    if before is not None:
+        before(runner, loaded.tokenizer)
+    bench.warm_up(runner, loaded.tokenizer, config)
+    runs = bench.plan_runs(config)
+    results = [
+        (run, bench.run_one(run, runner, loaded.tokenizer, config))
+        for run in progress(runs, desc=label, unit="run", total=len(runs), quiet=args.quiet)
+    ]
+    device, dtype, threads = bench.describe_device(runner)
+    report = bench.summarize(
+        results, config, model=loaded.name, device=device, dtype=dtype, threads=threads
+    )
+    report["wall_seconds"] = round(time.perf_counter() - started, 1)
+    return report
+
+
+def emit(report: dict[str, Any], args: argparse.Namespace) -> None:
+    from prefixflight.backends.torch._bench import format_tables
+
+    sys.stdout.write(format_tables(report) + "\n")
+    if args.json:
+        try:
+            Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        except OSError as exc:
+            raise UsageError(f"cannot write {args.json!r}: {exc.strerror or exc}") from None
+
+
+def run_ttft(args: argparse.Namespace) -> int:
+    from prefixflight.backends.torch._bench import TTFTBenchConfig
+
+    config = TTFTBenchConfig(
+        repetitions=args.repetitions,
+        output_tokens=args.output_tokens,
+        experiments=args.experiments,
+        incremental_followers=args.concurrency,
+        flight_concurrency=args.concurrency,
+        max_batch_tokens=args.max_batch_tokens,
+    )
+    emit(measure_ttft(args, config, label="bench ttft"), args)
+    return 0

