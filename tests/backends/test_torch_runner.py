@@ -439,3 +439,64 @@ def test_batches_cover_every_row_once_and_keep_long_chunks_alone(
             assert len(g) == 1
         real = sum(len(r.tokens) for r in g)
         assert len(g) * max(len(r.tokens) for r in g) <= 2 * real
+
+
+@FAST
+@given(
+    shared=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=40).map(tuple),
+    tails=st.lists(st.sampled_from([(1,), (2, 3), (1, 2, 3), (7,)]), min_size=1, max_size=6),
+    page_size=st.integers(1, 8),
+    deduplicate=st.booleans(),
+)
+def test_identical_rows_over_shared_pages_are_computed_once(
+    tiny_model: Any,
+    shared: tuple[int, ...],
+    tails: list[tuple[int, ...]],
+    page_size: int,
+    deduplicate: bool,
+) -> None:
+    """Requests continuing from the same cached pages with the same tokens (a flight's
+    followers) are one computation; each still gets its own KV pages and logits, and then
+    decodes exactly as if computed alone."""
+    rng = random.Random(len(shared) * 31 + len(tails))
+    runner = TransformersRunner.for_model(
+        tiny_model, num_pages=300, page_size=page_size, device="cpu", deduplicate=deduplicate
+    )
+    free = list(range(runner.pool.num_pages))
+    reused = len(shared) // page_size
+    start = reused * page_size
+    cached = page_table(rng, free, max(reused, 1))[:reused]
+    if start:
+        work = PrefillWork(
+            request_id="seed",
+            token_ids=shared[:start],
+            start=0,
+            pages=cached + page_table(rng, free, 1),
+            sample=False,
+        )
+        runner.execute(StepPlan(step=0, prefills=(work,)))
+    prompts, tables, works = [], [], []
+    for i, tail in enumerate(tails):
+        prompt = shared + tail
+        prompts.append(prompt)
+        tables.append(
+            cached + page_table(rng, free, pages_for(len(prompt) + 1, page_size) - reused)
+        )
+        works.append(
+            PrefillWork(
+                request_id=i, token_ids=prompt[start:], start=start, pages=tables[i], sample=True
+            )
+        )
+    result = runner.execute(StepPlan(step=1, prefills=tuple(works)))
+    distinct = len({prompt for prompt in prompts}) if start else len(prompts)
+    assert runner.deduplicated_rows == ((len(prompts) - distinct) if deduplicate else 0)
+    decodes = []
+    for (rid, tok), prompt, table in zip(result.sampled, prompts, tables, strict=True):
+        torch.testing.assert_close(
+            runner.last_logits[rid], full_logits(tiny_model, prompt), atol=ATOL, rtol=0
+        )
+        decodes.append(DecodeWork(request_id=rid, token_id=tok, position=len(prompt), pages=table))
+    runner.execute(StepPlan(step=2, decodes=tuple(decodes)))
+    for d, prompt in zip(decodes, prompts, strict=True):
+        expected = full_logits(tiny_model, (*prompt, d.token_id))
+        torch.testing.assert_close(runner.last_logits[d.request_id], expected, atol=ATOL, rtol=0)

@@ -133,6 +133,10 @@ class PagedKVPool:
         """Store ``kv`` (``[layers, 2, n, kv_heads, head_dim]``) into ``slots`` (``n``)."""
         self._kv.index_copy_(2, slots, kv.to(self.dtype))
 
+    def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the KV in slots ``src`` to slots ``dst`` (same length, disjoint)."""
+        self._kv.index_copy_(2, dst, self._kv.index_select(2, src))
+
     def gather(self, slots: torch.Tensor) -> torch.Tensor:
         """``[layers, 2, n, kv_heads, head_dim]`` for ``slots`` (a 1-D index tensor)."""
         return self._kv.index_select(2, slots)

@@ -42,11 +42,30 @@ class TransformersRunner:
     ``model`` is a transformers causal LM (Llama and Qwen2 families are tested) already on
     the pool's device. Requests without `set_sampling` are sampled greedily. After each
     `execute`, `last_logits` holds the logits each sampled request was sampled from.
+
+    Batching: a chunk of ``long_chunk`` tokens or more runs in a forward pass of its own;
+    shorter chunks and decodes share padded forward passes. With ``deduplicate`` (default),
+    rows that are the same work (the same tokens at the same positions over the same cached
+    context pages, e.g. the followers of a flight recomputing their last prompt token) are
+    computed once; each copy gets the KV written into its own pages and samples with its own
+    settings. `deduplicated_rows` counts them.
     """
 
-    __slots__ = ("_config", "_samplers", "_vocab", "last_logits", "long_chunk", "model", "pool")
+    __slots__ = (
+        "_config",
+        "_samplers",
+        "_vocab",
+        "deduplicate",
+        "deduplicated_rows",
+        "last_logits",
+        "long_chunk",
+        "model",
+        "pool",
+    )
 
-    def __init__(self, model: Any, pool: PagedKVPool, *, long_chunk: int = 64) -> None:
+    def __init__(
+        self, model: Any, pool: PagedKVPool, *, long_chunk: int = 64, deduplicate: bool = True
+    ) -> None:
         config = model.config
         param = next(model.parameters())
         if param.device != pool.device and not (
@@ -70,6 +89,8 @@ class TransformersRunner:
         self._vocab: int = int(config.vocab_size)
         self._samplers: dict[RequestId, Sampler] = {}
         self.last_logits: dict[RequestId, torch.Tensor] = {}
+        self.deduplicate = bool(deduplicate)
+        self.deduplicated_rows = 0
 
     @classmethod
     def for_model(
@@ -81,12 +102,14 @@ class TransformersRunner:
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
         long_chunk: int = 64,
+        deduplicate: bool = True,
     ) -> TransformersRunner:
         """Move ``model`` to ``device``/``dtype`` (auto: CUDA if present) and give it a pool."""
         pool = PagedKVPool.for_model(
             model.config, num_pages=num_pages, page_size=page_size, device=device, dtype=dtype
         )
-        return cls(model.to(device=pool.device, dtype=pool.dtype), pool, long_chunk=long_chunk)
+        model = model.to(device=pool.device, dtype=pool.dtype)
+        return cls(model, pool, long_chunk=long_chunk, deduplicate=deduplicate)
 
     # -- per-request sampling state -------------------------------------------------------
     def set_sampling(self, request_id: RequestId, params: SamplingParams) -> None:
@@ -107,17 +130,26 @@ class TransformersRunner:
         self._validate(plan)
         rows = [_Row(p.request_id, p.token_ids, p.start, p.pages, p.sample) for p in plan.prefills]
         rows += [_Row(d.request_id, (d.token_id,), d.position, d.pages, True) for d in plan.decodes]
+        unique, copies = self._deduplicate(rows)
+        computed: dict[RequestId, torch.Tensor] = {}
         logits: dict[RequestId, torch.Tensor] = {}
         with torch.inference_mode():
-            for group in _batches(rows, self.long_chunk):
+            for group in _batches(unique, self.long_chunk):
                 for row, out in zip(group, self._forward(group), strict=True):
-                    if row.sample:
-                        logits[row.request_id] = out
+                    computed[row.request_id] = out
+            pool = self.pool
+            for row, same in copies:
+                end = row.start + len(row.tokens)
+                pool.copy(
+                    pool.slots(same.pages, row.start, end), pool.slots(row.pages, row.start, end)
+                )
+                computed[row.request_id] = computed[same.request_id]
+            self.deduplicated_rows += len(copies)
             sampled = []
             for row in rows:
                 if row.sample:
+                    out = logits[row.request_id] = computed[row.request_id]
                     sampler = self._samplers.get(row.request_id)
-                    out = logits[row.request_id]
                     tok = sampler.sample(out) if sampler is not None else int(out.argmax().item())
                     sampled.append((row.request_id, tok))
         self.last_logits = logits
@@ -150,6 +182,30 @@ class TransformersRunner:
             if bad:
                 raise UsageError(f"{what}: token id {bad[0]!r} is not in [0, {self._vocab})")
             pool.check_pages(work.pages, end, what=what)
+
+    def _deduplicate(self, rows: list[_Row]) -> tuple[list[_Row], list[tuple[_Row, _Row]]]:
+        """Split rows into the ones to compute and ``(copy, computed_row)`` pairs.
+
+        Only rows that continue from context pages (``start > 0``) are merged: the same
+        chunk over the same pages is the same computation. Cold chunks always run, so an
+        uncoordinated baseline stays uncoordinated.
+        """
+        ps = self.pool.page_size
+        first: dict[tuple[int, tuple[int, ...], tuple[int, ...]], _Row] = {}
+        unique: list[_Row] = []
+        copies: list[tuple[_Row, _Row]] = []
+        for row in rows:
+            if not (self.deduplicate and row.start):  # cold chunks are always computed
+                unique.append(row)
+                continue
+            key = (row.start, row.tokens, row.pages[: -(-row.start // ps)])
+            same = first.get(key)
+            if same is None:
+                first[key] = row
+                unique.append(row)
+            else:
+                copies.append((row, same))
+        return unique, copies
 
     def _forward(self, group: list[_Row]) -> torch.Tensor:
         """One forward pass over ``group``; returns each row's last-position logits.
