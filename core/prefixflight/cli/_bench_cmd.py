@@ -135,10 +135,20 @@ def measure_ttft(
         before(runner, loaded.tokenizer)
     bench.warm_up(runner, loaded.tokenizer, config)
     runs = bench.plan_runs(config)
-    results = [
-        (run, bench.run_one(run, runner, loaded.tokenizer, config))
-        for run in progress(runs, desc=label, unit="run", total=len(runs), quiet=args.quiet)
-    ]
+    log = not args.quiet and not sys.stderr.isatty()  # no bar off a terminal: log lines
+    results = []
+    for i, run in enumerate(
+        progress(runs, desc=label, unit="run", total=len(runs), quiet=args.quiet), 1
+    ):
+        results.append((run, bench.run_one(run, runner, loaded.tokenizer, config)))
+        if log:
+            print(
+                f"{label}: run {i}/{len(runs)} {run.experiment} {run.policy} "
+                f"n={run.concurrency} rep={run.repetition} done at "
+                f"{time.perf_counter() - started:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
     device, dtype, threads = bench.describe_device(runner)
     report = bench.summarize(
         results, config, model=loaded.name, device=device, dtype=dtype, threads=threads
