@@ -6,11 +6,17 @@ import importlib
 
 import pytest
 
-PACKAGES = ["prefixflight.core", "prefixflight.specs", "prefixflight.cli"]
+PACKAGES = ["prefixflight.core", "prefixflight.specs", "prefixflight.cli", "prefixflight.backends"]
+TORCH_PACKAGES = ["prefixflight.backends.torch"]  # need the torch extra
 
 
-@pytest.mark.parametrize("name", PACKAGES)
+@pytest.mark.parametrize(
+    "name", [*PACKAGES, *(pytest.param(n, marks=pytest.mark.torch) for n in TORCH_PACKAGES)]
+)
 def test_all_is_complete_and_sorted(name: str) -> None:
+    if name in TORCH_PACKAGES:
+        pytest.importorskip("torch")
+        pytest.importorskip("transformers")
     module = importlib.import_module(name)
     exported = list(module.__all__)
     assert exported == sorted(exported, key=lambda s: (not s.isupper(), s))

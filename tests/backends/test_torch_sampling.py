@@ -11,6 +11,7 @@ pytest.importorskip("transformers")
 
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+
 from prefixflight.backends.torch import Sampler, SamplingParams, TransformersRunner  # noqa: E402
 from prefixflight.core import (  # noqa: E402
     ConfigError,

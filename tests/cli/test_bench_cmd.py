@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+
 from prefixflight.cli._main import build_parser
 
 

@@ -17,8 +17,8 @@ take effect.
 from ._env import prepare_cpu_threads
 
 prepare_cpu_threads()
+del prepare_cpu_threads
 
-from ._device import resolve_device, resolve_dtype  # noqa: E402
 from ._engine import AsyncEngine, EngineClosedError, EngineConfig, Generation  # noqa: E402
 from ._models import LoadedModel, load_smollm2  # noqa: E402
 from ._pool import PagedKVPool  # noqa: E402
@@ -36,7 +36,4 @@ __all__ = [
     "SamplingParams",
     "TransformersRunner",
     "load_smollm2",
-    "prepare_cpu_threads",
-    "resolve_device",
-    "resolve_dtype",
 ]

@@ -25,6 +25,7 @@ from typing import Any
 
 import attrs
 import torch
+
 from prefixflight.core import ConfigError, ReleasePolicy, RequestReport
 
 from ._engine import AsyncEngine, EngineConfig

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from prefixflight.core import ConfigError
 
 __all__ = ["resolve_device", "resolve_dtype"]

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, final
 
 import attrs
+
 from prefixflight.core import (
     LRU,
     S3FIFO,

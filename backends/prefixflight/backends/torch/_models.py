@@ -21,6 +21,7 @@ from typing import Any
 
 import attrs
 import torch
+
 from prefixflight.core import UsageError
 
 from ._device import resolve_device, resolve_dtype

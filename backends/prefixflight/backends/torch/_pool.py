@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any, final
 
 import torch
+
 from prefixflight.core import CapacityError, UsageError
 from prefixflight.core._validate import check_int
 

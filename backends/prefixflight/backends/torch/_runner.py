@@ -17,6 +17,8 @@ from __future__ import annotations
 from typing import Any, NamedTuple, final
 
 import torch
+from transformers import DynamicCache
+
 from prefixflight.core import (
     ConfigError,
     DecodeWork,
@@ -27,7 +29,6 @@ from prefixflight.core import (
     UsageError,
 )
 from prefixflight.core._validate import check_int
-from transformers import DynamicCache
 
 from ._pool import PagedKVPool
 from ._sampling import Sampler, SamplingParams

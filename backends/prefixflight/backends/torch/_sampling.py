@@ -12,6 +12,7 @@ from typing import final
 
 import attrs
 import torch
+
 from prefixflight.core import ConfigError
 
 __all__ = ["Sampler", "SamplingParams"]
