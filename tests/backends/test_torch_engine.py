@@ -256,3 +256,14 @@ def test_engine_config_must_fit_the_pool(tiny_model: Any) -> None:
         AsyncEngine(runner, EngineConfig(num_pages=8, page_size=16))
     with pytest.raises(ConfigError, match="num_pages 9"):
         AsyncEngine(runner, EngineConfig(num_pages=9, page_size=PAGE))
+
+
+def test_an_engine_closed_before_it_started_stays_closed(tiny_model: Any) -> None:
+    async def main() -> None:
+        engine = engine_for(tiny_model)
+        await engine.close()
+        assert engine.closed
+        with pytest.raises(EngineClosedError):
+            engine.generate([1, 2, 3])
+
+    run(main)

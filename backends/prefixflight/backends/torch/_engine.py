@@ -225,6 +225,7 @@ class AsyncEngine:
 
     __slots__ = (
         "_clock",
+        "_closed",
         "_error",
         "_executor",
         "_ids",
@@ -267,6 +268,7 @@ class AsyncEngine:
         self._task: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
         self._error: BaseException | None = None
+        self._closed = False
 
     @classmethod
     def from_model(
@@ -298,14 +300,14 @@ class AsyncEngine:
     @property
     def closed(self) -> bool:
         """True once `close` ran or the engine failed; `generate` then raises."""
-        return self._task is not None and self._task.done()
+        return self._closed or (self._task is not None and self._task.done())
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
         """Start the engine loop on the running event loop (`generate` does it too)."""
+        if self.closed:
+            raise EngineClosedError("the engine is closed") from self._error
         if self._task is not None:
-            if self._task.done():
-                raise EngineClosedError("the engine is closed") from self._error
             return
         self._wake = asyncio.Event()
         self._executor = concurrent.futures.ThreadPoolExecutor(
@@ -315,6 +317,7 @@ class AsyncEngine:
 
     async def close(self) -> None:
         """Abort every unfinished request, wait for the step in progress, stop the loop."""
+        self._closed = True
         for gen in list(self._live.values()):
             self._abort(gen, closing=True)
         task = self._task
