@@ -267,3 +267,20 @@ def test_an_engine_closed_before_it_started_stays_closed(tiny_model: Any) -> Non
             engine.generate([1, 2, 3])
 
     run(main)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_engine_on_cuda_matches_the_cpu_greedy_reference(tiny_factory: Any) -> None:
+    model = tiny_factory("llama", 0)
+    prompt = prompt_of(6, 30)
+    expected = greedy_reference(model, prompt, 6)
+
+    async def main() -> list[list[int]]:
+        cfg = EngineConfig(num_pages=64, page_size=PAGE, max_batch_tokens=64, max_running=4)
+        engine = AsyncEngine.from_model(model, cfg, device="cuda", dtype="float32")
+        async with engine:
+            gens = [engine.generate(prompt, SamplingParams(max_tokens=6)) for _ in range(3)]
+            return list(await asyncio.gather(*(collect(g) for g in gens)))
+
+    assert run(main) == [expected] * 3
