@@ -26,7 +26,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             "and 1/2/4 identical requests under independent, on_completion and after_prefill."
         ),
     )
-    p.add_argument("--repetitions", type=int, default=2, metavar="N", help="default 2")
+    p.add_argument("--repetitions", type=int, default=1, metavar="N", help="default 1")
     add_model_options(p)
     p.set_defaults(func=run)
 
