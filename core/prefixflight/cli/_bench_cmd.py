@@ -11,13 +11,14 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from prefixflight.core import UsageError
 
 from ._progress import progress
 
-__all__ = ["measure_ttft", "register", "run_ttft"]
+__all__ = ["backend", "emit", "measure_ttft", "register", "run_ttft"]
 
 EXPERIMENTS = ("warm_prefix", "incremental_publication", "single_flight", "late_arrival")
 
@@ -100,6 +101,22 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.set_defaults(func=run_ttft)
 
 
+def backend() -> ModuleType:
+    """The torch backend's benchmark module; `UsageError` if the torch extra is missing.
+
+    The backend sets ``OMP_WAIT_POLICY=PASSIVE`` before it imports torch, so it must be
+    imported before anything else imports torch.
+    """
+    try:
+        from prefixflight.backends.torch import _bench
+    except ImportError as exc:
+        raise UsageError(
+            f"this command needs the torch backend ({exc}); install it with "
+            "`pip install torch==2.13.0 'prefixflight[torch]'`"
+        ) from None
+    return _bench
+
+
 def measure_ttft(
     args: argparse.Namespace,
     config: Any,
@@ -108,9 +125,8 @@ def measure_ttft(
     before: Callable[[Any, Any], None] | None = None,
 ) -> dict[str, Any]:
     """Load the model, run every planned run with a progress bar, return the summary."""
-    # the backend sets OMP_WAIT_POLICY=PASSIVE before it imports torch: import it first
+    bench = backend()
     from prefixflight.backends.torch import TransformersRunner, load_smollm2
-    from prefixflight.backends.torch import _bench as bench
 
     if args.threads is not None:
         if args.threads < 1:
@@ -150,7 +166,7 @@ def measure_ttft(
                 flush=True,
             )
     device, dtype, threads = bench.describe_device(runner)
-    report = bench.summarize(
+    report: dict[str, Any] = bench.summarize(
         results, config, model=loaded.name, device=device, dtype=dtype, threads=threads
     )
     report["wall_seconds"] = round(time.perf_counter() - started, 1)
@@ -158,9 +174,7 @@ def measure_ttft(
 
 
 def emit(report: dict[str, Any], args: argparse.Namespace) -> None:
-    from prefixflight.backends.torch._bench import format_tables
-
-    sys.stdout.write(format_tables(report) + "\n")
+    sys.stdout.write(backend().format_tables(report) + "\n")
     if args.json:
         try:
             Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
@@ -169,9 +183,7 @@ def emit(report: dict[str, Any], args: argparse.Namespace) -> None:
 
 
 def run_ttft(args: argparse.Namespace) -> int:
-    from prefixflight.backends.torch._bench import TTFTBenchConfig
-
-    config = TTFTBenchConfig(
+    config = backend().TTFTBenchConfig(
         repetitions=args.repetitions,
         output_tokens=args.output_tokens,
         experiments=args.experiments,

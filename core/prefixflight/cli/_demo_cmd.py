@@ -9,7 +9,7 @@ import asyncio
 import sys
 from typing import Any
 
-from ._bench_cmd import add_model_options, emit, measure_ttft
+from ._bench_cmd import add_model_options, backend, emit, measure_ttft
 
 __all__ = ["register", "run"]
 
@@ -47,9 +47,7 @@ async def _answer(runner: Any, tokenizer: Any) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from prefixflight.backends.torch._bench import TTFTBenchConfig
-
-    config = TTFTBenchConfig(
+    config = backend().TTFTBenchConfig(
         repetitions=args.repetitions,
         output_tokens=32,
         experiments=("warm_prefix", "single_flight"),
