@@ -96,3 +96,26 @@ def test_smollm2_reuse_equals_full_prefill_and_greedy_matches(smollm2: Any) -> N
             reference.append(t)
             seq.append(t)
     assert generated == reference
+
+
+@pytest.mark.parametrize(("preset", "expected"), [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+def test_importing_the_backend_sets_a_passive_omp_wait_policy(
+    preset: str | None, expected: str
+) -> None:
+    """The CPU entry point sets OMP_WAIT_POLICY=PASSIVE before torch loads, unless the user
+    chose a policy."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if preset is not None:
+        env["OMP_WAIT_POLICY"] = preset
+    code = (
+        "import os, sys; import prefixflight.backends.torch; "
+        "print(os.environ['OMP_WAIT_POLICY'], 'torch' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env
+    )
+    assert out.stdout.split() == [expected, "True"]
