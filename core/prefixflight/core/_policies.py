@@ -9,7 +9,7 @@ is exactly the seed's, so trace replays never depend on the pinning code.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Container, Iterable, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from typing import Protocol, final
 
 from ._errors import CapacityError, UsageError
@@ -121,8 +121,57 @@ class _Pins:
         return False
 
 
+class _Residency:
+    """What both policies share: the resident set (``_members``, a dict keyed by block),
+    pins, the prefix scan and the batch wrappers around ``access_into``."""
+
+    __slots__ = ("_members", "_pins")
+
+    _members: Mapping[BlockHash, object]
+    _pins: _Pins
+
+    def __len__(self) -> int:
+        return len(self._members)
+
+    def __contains__(self, block: object) -> bool:
+        return block in self._members
+
+    def resident(self) -> frozenset[BlockHash]:
+        return frozenset(self._members)
+
+    def resident_view(self) -> Container[BlockHash]:
+        """A live, read-only view of the resident blocks, for fast membership tests."""
+        return self._members.keys()
+
+    def pin_count(self, block: BlockHash) -> int:
+        return self._pins.counts.get(block, 0)
+
+    def resident_prefix(self, blocks: Sequence[BlockHash]) -> int:
+        members = self._members
+        k = 0
+        for b in blocks:
+            if b not in members:
+                break
+            k += 1
+        return k
+
+    def access(self, blocks: Iterable[BlockHash]) -> list[BlockHash]:
+        evicted: list[BlockHash] = []
+        self.access_into(blocks, evicted)
+        return evicted
+
+    def access_stream(self, blocks: Iterable[BlockHash]) -> int:
+        """Access every block in order, each as its own one-block request; return how
+        many were resident when accessed (the hits). The batch-shaped way to replay a
+        stream of single-object requests."""
+        return self.access_into(blocks, [])
+
+    def access_into(self, blocks: Iterable[BlockHash], evicted: list[BlockHash]) -> int:
+        raise NotImplementedError
+
+
 @final
-class S3FIFO:
+class S3FIFO(_Residency):
     """S3FIFO (Yang et al., SOSP 2023) as seed 002 specifies it, to the letter.
 
     Three FIFO queues: small ``S`` (``round(capacity * small_ratio)``, banker's rounding), main
@@ -153,7 +202,6 @@ class S3FIFO:
         "_main_cap",
         "_max_freq",
         "_pinned_main",
-        "_pins",
         "_small",
         "_small_cap",
         "_small_ratio",
@@ -183,6 +231,7 @@ class S3FIFO:
         self._small_cap = round(capacity * small_ratio)  # banker's rounding, as the seed says
         self._main_cap = capacity - self._small_cap
         self._freq: dict[BlockHash, int] = {}  # resident blocks (S and M) -> freq
+        self._members = self._freq
         self._small: deque[BlockHash] = deque()
         self._main: deque[BlockHash] = deque()
         self._in_main: set[BlockHash] = set()
@@ -226,19 +275,6 @@ class S3FIFO:
         )
 
     # -- read-only views -----------------------------------------------------------------
-    def __len__(self) -> int:
-        return len(self._freq)
-
-    def __contains__(self, block: object) -> bool:
-        return block in self._freq
-
-    def resident(self) -> frozenset[BlockHash]:
-        return frozenset(self._freq)
-
-    def resident_view(self) -> Container[BlockHash]:
-        """A live, read-only view of the resident blocks, for fast membership tests."""
-        return self._freq.keys()
-
     def small_queue(self) -> tuple[tuple[BlockHash, int], ...]:
         """``S`` from head (next out) to tail, with each block's freq."""
         return tuple((b, self._freq[b]) for b in self._small)
@@ -255,30 +291,7 @@ class S3FIFO:
         """The freq of a resident block, ``None`` if not resident."""
         return self._freq.get(block)
 
-    def pin_count(self, block: BlockHash) -> int:
-        return self._pins.counts.get(block, 0)
-
     # -- the hot path --------------------------------------------------------------------
-    def resident_prefix(self, blocks: Sequence[BlockHash]) -> int:
-        freq = self._freq
-        k = 0
-        for b in blocks:
-            if b not in freq:
-                break
-            k += 1
-        return k
-
-    def access(self, blocks: Iterable[BlockHash]) -> list[BlockHash]:
-        evicted: list[BlockHash] = []
-        self.access_into(blocks, evicted)
-        return evicted
-
-    def access_stream(self, blocks: Iterable[BlockHash]) -> int:
-        """Access every block in order, each as its own one-block request; return how
-        many were resident when accessed (the hits). The batch-shaped way to replay a
-        stream of single-object requests."""
-        return self.access_into(blocks, [])
-
     def access_into(self, blocks: Iterable[BlockHash], evicted: list[BlockHash]) -> int:
         """`access`, appending the evicted blocks to ``evicted`` as they go (so a caller
         still has them if a `CapacityError` stops the batch part way); return how many
@@ -551,19 +564,20 @@ class S3FIFO:
 
 
 @final
-class LRU:
+class LRU(_Residency):
     """Least recently used: a hit moves a block to the MRU end; a full cache evicts the LRU end.
 
     Pinning: a pinned block that reaches the LRU end is moved to the MRU end (it is in use)
     and the next one is considered.
     """
 
-    __slots__ = ("_capacity", "_order", "_pins")
+    __slots__ = ("_capacity", "_order")
 
     def __init__(self, capacity: int) -> None:
         check_int("capacity", capacity, minimum=0)
         self._capacity = capacity
         self._order: OrderedDict[BlockHash, None] = OrderedDict()  # LRU first
+        self._members = self._order
         self._pins = _Pins()
 
     @property
@@ -573,45 +587,9 @@ class LRU:
     def __repr__(self) -> str:
         return f"LRU(capacity={self._capacity})"
 
-    def __len__(self) -> int:
-        return len(self._order)
-
-    def __contains__(self, block: object) -> bool:
-        return block in self._order
-
-    def resident(self) -> frozenset[BlockHash]:
-        return frozenset(self._order)
-
-    def resident_view(self) -> Container[BlockHash]:
-        """A live, read-only view of the resident blocks, for fast membership tests."""
-        return self._order.keys()
-
     def order(self) -> tuple[BlockHash, ...]:
         """Resident blocks from least to most recently used."""
         return tuple(self._order)
-
-    def pin_count(self, block: BlockHash) -> int:
-        return self._pins.counts.get(block, 0)
-
-    def resident_prefix(self, blocks: Sequence[BlockHash]) -> int:
-        order = self._order
-        k = 0
-        for b in blocks:
-            if b not in order:
-                break
-            k += 1
-        return k
-
-    def access(self, blocks: Iterable[BlockHash]) -> list[BlockHash]:
-        evicted: list[BlockHash] = []
-        self.access_into(blocks, evicted)
-        return evicted
-
-    def access_stream(self, blocks: Iterable[BlockHash]) -> int:
-        """Access every block in order, each as its own one-block request; return how
-        many were resident when accessed (the hits). The batch-shaped way to replay a
-        stream of single-object requests."""
-        return self.access_into(blocks, [])
 
     def access_into(self, blocks: Iterable[BlockHash], evicted: list[BlockHash]) -> int:
         """`access`, appending the evicted blocks to ``evicted`` as they go (so a caller
