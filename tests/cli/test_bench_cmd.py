@@ -15,7 +15,7 @@ def test_cli_lists_the_commands_without_importing_torch() -> None:
     code = (
         "import sys; from prefixflight.cli._main import build_parser; "
         "p = build_parser(); p.parse_args(['bench', 'ttft', '--repetitions', '1']); "
-        "p.parse_args(['demo']); "
+        "p.parse_args(['demo']); p.parse_args(['bench', 'calibrate', '--threads', '1']); "
         "print('torch' in sys.modules, 'transformers' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -29,6 +29,8 @@ def test_cli_lists_the_commands_without_importing_torch() -> None:
         (["bench", "ttft", "--concurrency", "2,x"], "'2,x'"),
         (["bench", "ttft", "--concurrency", "0"], "'0'"),
         (["bench"], "BENCH"),
+        (["bench", "calibrate", "--decode-batches", "1,0"], "'1,0'"),
+        (["bench", "calibrate", "--prefill-lengths", "x"], "'x'"),
     ],
 )
 def test_bad_arguments_are_usage_errors(

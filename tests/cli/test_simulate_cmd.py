@@ -58,6 +58,26 @@ def test_simulate_flight_prints_tables_and_writes_json(
     assert f"{first['mean_ttft']:.3f}" in text
 
 
+def test_defaults_are_the_calibrated_model_and_flags_replace_measured_times(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from prefixflight.core import CostModel
+
+    short = ["simulate", "flight", "--output-tokens", "4", "--late-after-tokens", "2"]
+
+    def first_line(cost: CostModel) -> str:
+        return (
+            f"cost model: step = {cost.step_overhead * 1e3:.2f} ms + "
+            f"{cost.prefill_per_token * 1e3:.4f} ms x prefill tokens + "
+            f"{cost.decode_per_request * 1e3:.2f} ms x decodes"
+        )
+
+    assert main(short) == 0
+    assert capsys.readouterr().out.startswith(first_line(CostModel.calibrated()))
+    assert main([*short, "--prefill-seconds", "2.5"]) == 0
+    assert capsys.readouterr().out.startswith(first_line(CostModel.calibrated(prefill_seconds=2.5)))
+
+
 def test_simulate_needs_a_simulation(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["simulate"])
@@ -71,6 +91,7 @@ def test_simulate_needs_a_simulation(capsys: pytest.CaptureFixture[str]) -> None
         ["--output-tokens", "0"],
         ["--late-after-tokens", "200"],
         ["--overhead-share", "2"],
+        ["--prefill-tokens", "0"],
     ],
 )
 def test_bad_options_exit_1(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:

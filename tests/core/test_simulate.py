@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
 from prefixflight.core import (
@@ -54,10 +55,69 @@ def test_calibration_reproduces_its_measurements() -> None:
     assert c.step_time(plan(prefill_tokens=400)) == pytest.approx(0.8)
     assert c.step_time(plan(decodes=1)) == pytest.approx(0.04)
     assert c.step_time(plan(decodes=8)) == pytest.approx(0.11)
+    # a share override keeps the default calibration's batch-1 decode and full prefill
     s = CostModel.calibrated(overhead_share=0.25)
-    assert s.step_time(plan(decodes=1)) == pytest.approx(0.035)
-    assert s.step_overhead == pytest.approx(0.25 * 0.035)
-    assert s.step_time(plan(prefill_tokens=500)) == pytest.approx(0.73)
+    batch1 = COST.step_time(plan(decodes=1))
+    assert s.step_time(plan(decodes=1)) == pytest.approx(batch1)
+    assert s.step_overhead == pytest.approx(0.25 * batch1)
+    assert s.step_time(plan(prefill_tokens=500)) == pytest.approx(
+        COST.step_time(plan(prefill_tokens=500))
+    )
+
+
+def test_model_md_is_the_first_calibration() -> None:
+    m = CostModel.model_md()
+    assert m.step_time(plan(prefill_tokens=500)) == pytest.approx(0.73)
+    assert m.step_time(plan(decodes=1)) == pytest.approx(0.035)
+    assert m.step_time(plan(decodes=8)) == pytest.approx(0.095)
+
+
+def test_fit_recovers_the_model_that_produced_the_times() -> None:
+    truth = CostModel(step_overhead=0.03, prefill_per_token=0.0014, decode_per_request=0.009)
+    shapes = [(n, 0) for n in (16, 128, 500)] + [(0, k) for k in (1, 2, 8)] + [(100, 3)]
+    fitted = CostModel.fit((n, k, truth.time(n, k)) for n, k in shapes)
+    for name in ("step_overhead", "prefill_per_token", "decode_per_request"):
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name))
+    for n, k in shapes:
+        assert fitted.step_time(plan(prefill_tokens=n, decodes=k)) == pytest.approx(
+            truth.time(n, k)
+        )
+
+
+def test_fit_keeps_parameters_non_negative() -> None:
+    # prefill steps get cheaper as they grow: the unconstrained slope is negative
+    samples = [(16, 0, 0.2), (500, 0, 0.1), (0, 1, 0.03), (0, 8, 0.1)]
+    unconstrained_slope = (0.1 - 0.2) / (500 - 16)
+    assert unconstrained_slope < 0
+    fitted = CostModel.fit(samples)
+    assert min(fitted.step_overhead, fitted.prefill_per_token, fitted.decode_per_request) >= 0
+
+    # it is the best non-negative fit: no small feasible move lowers the relative residual
+    def residual(c: CostModel) -> float:
+        return sum(((c.time(n, k) - t) / t) ** 2 for n, k, t in samples)
+
+    base = residual(fitted)
+    for dx in (-1e-4, 1e-4):
+        for field in ("step_overhead", "prefill_per_token", "decode_per_request"):
+            value = getattr(fitted, field) + dx * (1e-2 if field == "prefill_per_token" else 1)
+            if value >= 0:
+                moved = attrs.evolve(fitted, **{field: value})
+                assert residual(moved) >= base - 1e-12
+
+
+@pytest.mark.parametrize(
+    ("samples", "match"),
+    [
+        ([(16, 0, 0.1), (500, 0, 0.7)], "cannot determine"),  # decodes never vary
+        ([(16, 0, 0.1), (32, 0, 0.2), (0, 1, 0.0)], "> 0"),
+        ([(16, 0, 0.1), (-1, 0, 0.2), (0, 1, 0.03)], ">= 0"),
+    ],
+)
+def test_fit_rejects_samples_that_cannot_fit(
+    samples: list[tuple[int, int, float]], match: str
+) -> None:
+    with pytest.raises(ConfigError, match=match):
+        CostModel.fit(samples)
 
 
 def test_cost_model_is_validated() -> None:

@@ -1,4 +1,5 @@
-"""``prefixflight bench ttft``: seed 000's TTFT experiments on a real model (torch extra).
+"""``prefixflight bench ttft`` (seed 000's TTFT experiments) and ``bench calibrate`` (the
+simulator's cost model), on a real model (torch extra).
 
 The torch backend is imported inside the command, so the rest of the CLI never needs torch.
 """
@@ -18,7 +19,7 @@ from prefixflight.core import UsageError
 
 from ._progress import progress
 
-__all__ = ["backend", "emit", "measure_ttft", "register", "run_ttft"]
+__all__ = ["backend", "emit", "measure_ttft", "register", "run_calibrate", "run_ttft"]
 
 EXPERIMENTS = ("warm_prefix", "incremental_publication", "single_flight", "late_arrival")
 
@@ -99,6 +100,39 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     add_model_options(p)
     p.set_defaults(func=run_ttft)
+    c = which.add_parser(
+        "calibrate",
+        help="fit the simulator's cost model to measured step times",
+        description=(
+            "Time hand-made steps with prefixflight's runner on SmolLM2-135M-Instruct (cold "
+            "prefills of several lengths, a short suffix over reused pages, decode steps at "
+            "several batch sizes), interleaved and repeated, and fit `simulate flight`'s cost "
+            "model: step = overhead + prefill_per_token * prompt tokens + decode_per_request "
+            "* decodes. Prints the fit, measured vs predicted times, and the flags that "
+            "reproduce it in `prefixflight simulate flight`."
+        ),
+    )
+    c.add_argument("--repetitions", type=int, default=5, metavar="N", help="default 5")
+    c.add_argument(
+        "--prefill-lengths",
+        type=_sizes,
+        default=(16, 64, 128, 256, 384, 500),
+        metavar="LIST",
+        help="cold prefill lengths; the largest is the full prompt (default 16,64,128,256,384,500)",
+    )
+    c.add_argument(
+        "--decode-batches",
+        type=_sizes,
+        default=(1, 2, 4, 8),
+        metavar="LIST",
+        help="decode batch sizes (default 1,2,4,8)",
+    )
+    c.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    c.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (CUDA default)")
+    c.add_argument("--threads", type=int, default=2, metavar="N", help="torch CPU threads (2)")
+    c.add_argument("--json", metavar="FILE", help="also write the report as JSON here")
+    c.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    c.set_defaults(func=run_calibrate)
 
 
 def backend() -> ModuleType:
@@ -192,4 +226,52 @@ def run_ttft(args: argparse.Namespace) -> int:
         max_batch_tokens=args.max_batch_tokens,
     )
     emit(measure_ttft(args, config, label="bench ttft"), args)
+    return 0
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    if args.threads < 1:
+        raise UsageError(f"--threads must be >= 1, got {args.threads!r}")
+    bench = backend()  # sets OMP_WAIT_POLICY before torch loads
+    from prefixflight.backends.torch import TransformersRunner, load_smollm2
+    from prefixflight.backends.torch import _calibrate as cal
+
+    config = cal.CalibrationConfig(
+        prefill_lengths=args.prefill_lengths,
+        decode_batches=args.decode_batches,
+        repetitions=args.repetitions,
+    )
+    bench.set_threads(args.threads)
+    started = time.perf_counter()
+    loaded = load_smollm2(device=None if args.device == "auto" else args.device, dtype=args.dtype)
+    runner = TransformersRunner.for_model(
+        loaded.model,
+        num_pages=cal.num_pages(config),
+        page_size=config.page_size,
+        device=loaded.model.device,
+        dtype=loaded.model.dtype,
+        deduplicate=False,
+    )
+    report: dict[str, Any] = {"model": loaded.name, **cal.describe(runner)}
+    report.update(
+        cal.calibrate(
+            runner,
+            loaded.tokenizer,
+            config,
+            progress=lambda it: progress(
+                it,
+                desc="bench calibrate",
+                unit="rep",
+                total=config.repetitions,
+                quiet=args.quiet,
+            ),
+        )
+    )
+    report["wall_seconds"] = round(time.perf_counter() - started, 1)
+    sys.stdout.write(cal.format_report(report) + "\n")
+    if args.json:
+        try:
+            Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        except OSError as exc:
+            raise UsageError(f"cannot write {args.json!r}: {exc.strerror or exc}") from None
     return 0

@@ -39,33 +39,25 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             "Run seed 000's experiments on the pure scheduler + coordinator + prefix cache "
             "with one cost model: step = overhead + prefill_per_token * computed prompt "
             "tokens + decode_per_request * decodes, calibrated from measured times "
-            "(defaults: SmolLM2-135M, fp32, 2 CPU threads). Prints markdown tables."
+            "(defaults: `prefixflight bench calibrate` on SmolLM2-135M, fp32, 2 CPU threads; "
+            "each flag given replaces one measured time). Prints markdown tables."
         ),
     )
     p.add_argument("--json", metavar="FILE", help="also write every row as JSON here")
     cal = p.add_argument_group("cost model calibration (measured times)")
-    cal.add_argument(
-        "--prefill-seconds",
-        type=float,
-        default=0.73,
-        metavar="S",
-        help="time of one full prefill of --prefill-tokens tokens (0.73)",
-    )
-    cal.add_argument("--prefill-tokens", type=int, default=500, metavar="N", help="(500)")
-    cal.add_argument(
-        "--decode-batch1",
-        type=float,
-        default=0.035,
-        metavar="S",
-        help="decode step at batch 1 (0.035)",
-    )
-    cal.add_argument(
-        "--decode-batch8",
-        type=float,
-        default=0.095,
-        metavar="S",
-        help="decode step at batch 8 (0.095)",
-    )
+    for flag, what in (
+        ("--prefill-seconds", "S: time of one full prefill of --prefill-tokens tokens"),
+        ("--prefill-tokens", "N: length of that prefill"),
+        ("--decode-batch1", "S: a decode step at batch 1"),
+        ("--decode-batch8", "S: a decode step at batch 8"),
+    ):
+        cal.add_argument(
+            flag,
+            type=int if flag == "--prefill-tokens" else float,
+            default=None,
+            metavar=what[0],
+            help=f"{what[3:]} (default: measured; see CostModel.calibrated)",
+        )
     cal.add_argument(
         "--overhead-share",
         type=float,
@@ -203,17 +195,20 @@ def _findings(rows: Sequence[FindingsRow]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    for name in ("prefill_tokens", "max_batch_tokens", "output_tokens", "late_after_tokens"):
+    for name in ("max_batch_tokens", "output_tokens", "late_after_tokens"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not 1 <= args.late_after_tokens < args.output_tokens:
         raise ConfigError(
             f"--late-after-tokens must be in [1, --output-tokens), got {args.late_after_tokens}"
         )
-    calibration = dict(
+    if args.prefill_tokens is not None and args.prefill_tokens < 1:
+        raise ConfigError(f"--prefill-tokens must be >= 1, got {args.prefill_tokens}")
+    given = dict(
         prefill_seconds=args.prefill_seconds, prefill_tokens=args.prefill_tokens,
         decode_batch1=args.decode_batch1, decode_batch8=args.decode_batch8,
     )  # fmt: skip
+    calibration = {k: v for k, v in given.items() if v is not None}
     cost = CostModel.calibrated(overhead_share=args.overhead_share, **calibration)
     sim = FlightSimConfig(max_batch_tokens=args.max_batch_tokens)
     out_n = args.output_tokens
@@ -255,7 +250,9 @@ def run(args: argparse.Namespace) -> int:
     w(_partial(part) + "\n\n")
     w("**Seed 000's subtler findings vs the decode step's fixed share.** Batch-1 decode and\n")
     w("the full prefill keep their measured times; the share of the batch-1 decode step that\n")
-    w("does not grow with the batch varies (0.76 is the calibrated split).\n\n")
+    measured = CostModel.calibrated(**calibration)
+    share = measured.step_overhead / (measured.step_overhead + measured.decode_per_request)
+    w(f"does not grow with the batch varies ({share:.2f} is the calibrated split).\n\n")
     w(_findings(finds) + "\n")
     if args.json:
         data = {

@@ -80,13 +80,91 @@ class CostModel:
             decode_per_request=per_request,
         )
 
+    @classmethod
+    def model_md(cls) -> CostModel:
+        """The first calibration, from MODEL.md's prototype (plain transformers, no paged
+        pool): 500-token prefill 0.73 s, decode 35 ms at batch 1 and 95 ms at batch 8."""
+        return cls.calibrated(
+            prefill_seconds=0.73, prefill_tokens=500, decode_batch1=0.035, decode_batch8=0.095
+        )
+
+    @classmethod
+    def fit(cls, samples: Iterable[tuple[int, int, float]]) -> CostModel:
+        """Least-squares fit of the three parameters to measured steps.
+
+        ``samples`` are ``(prefill_tokens, decodes, seconds)``: one step that computed that
+        many prompt tokens and decoded that many requests, taking ``seconds``. Errors are
+        weighted relative to the measured time, so a 30 ms decode step counts as much as a
+        0.7 s prefill. Parameters are constrained to be >= 0 (with three parameters the
+        exact non-negative optimum is the best feasible fit over the subsets of free
+        parameters). Raises `ConfigError` when the samples cannot determine the three
+        parameters (the steps must vary prefill tokens and decodes independently).
+        """
+        rows = []
+        for sample in samples:
+            n, k, t = sample
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+                raise ConfigError(f"a sample's time must be a number > 0, got {sample!r}")
+            if not (type(n) is int and type(k) is int and n >= 0 and k >= 0):
+                raise ConfigError(
+                    f"a sample's token and decode counts must be ints >= 0, got {sample!r}"
+                )
+            rows.append((1.0 / t, n / t, k / t))  # minimise sum (x . beta - 1)^2
+        if _least_squares(rows, (0, 1, 2)) is None:
+            raise ConfigError(
+                f"{len(rows)} samples cannot determine the cost model: it needs steps of "
+                "steps whose prefill tokens and decodes vary independently"
+            )
+        best: tuple[float, list[float]] | None = None
+        for free in ((0, 1, 2), (0, 1), (0, 2), (1, 2), (0,), (1,), (2,)):
+            beta = _least_squares(rows, free)
+            if beta is None or min(beta) < 0:
+                continue
+            full = [0.0, 0.0, 0.0]
+            for i, v in zip(free, beta, strict=True):
+                full[i] = v
+            residual = sum(
+                (sum(x * b for x, b in zip(r, full, strict=True)) - 1) ** 2 for r in rows
+            )
+            if best is None or residual < best[0]:
+                best = (residual, full)
+        assert best is not None  # the overhead alone always fits with a positive value
+        overhead, per_token, per_request = best[1]
+        return cls(
+            step_overhead=overhead, prefill_per_token=per_token, decode_per_request=per_request
+        )
+
     def step_time(self, plan: StepPlan) -> float:
         prefill = sum(len(p.token_ids) for p in plan.prefills)
+        return self.time(prefill, len(plan.decodes))
+
+    def time(self, prefill_tokens: int, decodes: int) -> float:
+        """Seconds for a step computing ``prefill_tokens`` prompt tokens and ``decodes``
+        decodes."""
         return (
             self.step_overhead
-            + self.prefill_per_token * prefill
-            + self.decode_per_request * len(plan.decodes)
+            + self.prefill_per_token * prefill_tokens
+            + self.decode_per_request * decodes
         )
+
+
+def _least_squares(
+    rows: list[tuple[float, float, float]], free: tuple[int, ...]
+) -> list[float] | None:
+    """Minimise ``sum((row[free] . beta - 1)^2)``; None if the columns are dependent."""
+    m = len(free)
+    a = [[sum(r[i] * r[j] for r in rows) for j in free] + [sum(r[i] for r in rows)] for i in free]
+    for col in range(m):  # Gauss-Jordan elimination with partial pivoting
+        pivot = max(range(col, m), key=lambda r: abs(a[r][col]))
+        scale = max(abs(a[i][col]) for i in range(m))
+        if scale == 0 or abs(a[pivot][col]) <= 1e-10 * scale:
+            return None
+        a[col], a[pivot] = a[pivot], a[col]
+        for r in range(m):
+            if r != col:
+                f = a[r][col] / a[col][col]
+                a[r] = [x - f * y for x, y in zip(a[r], a[col], strict=True)]
+    return [a[i][m] / a[i][i] for i in range(m)]
 
 
 def _token_tuple(tokens: Iterable[int]) -> tuple[int, ...]:
