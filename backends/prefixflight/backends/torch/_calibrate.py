@@ -177,6 +177,7 @@ def calibrate(
     line fits, the fit's predictions, and the load average before and after.
     """
     load_before = os.getloadavg()
+    cpu_before = _cpu_seconds()
     need = max(max(config.prefill_lengths), config.context + config.suffix)
     tokens = document_tokens(tokenizer, need, salt=3)
     setup, cases = _cases(config, tokens)
@@ -195,6 +196,7 @@ def calibrate(
             t0 = time.perf_counter()
             runner.execute(case.plan)
             samples[case.name].append(time.perf_counter() - t0)
+    cpu_after = _cpu_seconds()
     medians = {name: statistics.median(s) for name, s in samples.items()}
     fitted = [c for c in cases if c.fitted]
     cost = CostModel.fit((c.prefill_tokens, c.decodes, medians[c.name]) for c in fitted)
@@ -236,7 +238,43 @@ def calibrate(
         "page_size": config.page_size,
         "load_average_before": list(load_before),
         "load_average_after": list(os.getloadavg()),
+        "other_processes_cores": _others(cpu_before, cpu_after),
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
     }
+
+
+def _cpu_seconds() -> tuple[float, float, float] | None:
+    """(wall, this process's CPU seconds, the whole machine's busy CPU seconds) on Linux."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    busy = sum(fields) - fields[3] - (fields[4] if len(fields) > 4 else 0)  # minus idle, iowait
+    t = os.times()
+    return time.perf_counter(), t.user + t.system, busy / os.sysconf("SC_CLK_TCK")
+
+
+def _others(
+    before: tuple[float, float, float] | None, after: tuple[float, float, float] | None
+) -> float | None:
+    """Cores used on average by other processes while the cases ran (None off Linux)."""
+    if before is None or after is None or after[0] <= before[0]:
+        return None
+    other = (after[2] - before[2]) - (after[1] - before[1])
+    return max(other, 0.0) / (after[0] - before[0])
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
 
 
 def _line(points: Sequence[tuple[int, float]]) -> tuple[float, float]:
@@ -260,6 +298,12 @@ def format_report(report: dict[str, Any]) -> str:
         f"{report['threads']} threads), median of {report['repetitions']} repetitions; "
         "load average before {:.2f} {:.2f} {:.2f}, after {:.2f} {:.2f} {:.2f}".format(
             *report["load_average_before"], *report["load_average_after"]
+        ),
+        f"cpu {report['cpu']}, {report['cores']} cores; other processes used "
+        + (
+            "unknown"
+            if report["other_processes_cores"] is None
+            else f"{report['other_processes_cores']:.2f} cores on average while measuring"
         ),
         "",
         f"fitted cost model: step = {p['step_overhead'] * 1e3:.2f} ms + "
