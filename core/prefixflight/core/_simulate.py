@@ -10,12 +10,19 @@ Cost model (`CostModel`)::
               + prefill_per_token  * (prompt tokens computed in the step)
               + decode_per_request * (decodes in the step)
 
-Its defaults are derived (`CostModel.calibrated`) from /work/shared/MODEL.md's measurements
-of SmolLM2-135M in fp32 on the 2-vCPU machine: a decode step costs 35 ms at batch 1 and
-95 ms at batch 8, so ``decode_per_request = (95 - 35) / 7 ms`` and ``step_overhead = 35 ms -
-decode_per_request``; a 500-token prefill costs 0.73 s, so ``prefill_per_token = (0.73 s -
-step_overhead) / 500``. The model ignores attention over cached context: it predicts 0.054 s
-for a 20-token suffix after a reused 480-token prefix, where 0.081 s was measured.
+Its defaults (`CostModel.calibrated`) were measured with prefixflight's own torch backend:
+``prefixflight bench calibrate --repetitions 9`` (2 torch threads, fp32 SmolLM2-135M-Instruct
+on `TransformersRunner`, OMP_WAIT_POLICY=PASSIVE), run on 2026-11-30 on the project's
+2-vCPU machine (AMD EPYC; other processes used 0.00 cores while it measured), fits
+``step_overhead`` = 68.2 ms, ``prefill_per_token`` = 1.825 ms and ``decode_per_request`` =
+24.9 ms to the medians of cold prefills of 16-500 tokens and decode steps at batch 1, 2, 4 and
+8 over 496 cached tokens (`CostModel.fit`). The linear model is a compromise: measured
+prefills cost 97 ms + 1.66 ms/token alone, and a batch-1 decode (76 ms) skips the padding
+mask that batches of 2 or more pay for (141 ms at batch 2, 267 ms at batch 8). It also
+ignores attention over cached context: it predicts 105 ms for a 20-token suffix after a
+reused 480-token prefix, where 146 ms was measured. `CostModel.model_md` keeps the first
+calibration, from /work/shared/MODEL.md's prototype (plain transformers on a faster CPU):
+26.4 ms + 1.407 ms per prefill token + 8.57 ms per decode.
 """
 
 from __future__ import annotations
@@ -52,13 +59,21 @@ class CostModel:
     def calibrated(
         cls,
         *,
-        prefill_seconds: float = 0.73,
+        prefill_seconds: float = 0.98059,
         prefill_tokens: int = 500,
-        decode_batch1: float = 0.035,
-        decode_batch8: float = 0.095,
+        decode_batch1: float = 0.09312,
+        decode_batch8: float = 0.26751,
         overhead_share: float | None = None,
     ) -> CostModel:
-        """Derive the three parameters from measured times (defaults: MODEL.md, fp32 CPU).
+        """Derive the three parameters from measured times.
+
+        ``decode_per_request = (decode_batch8 - decode_batch1) / 7``, ``step_overhead =
+        decode_batch1 - decode_per_request`` and ``prefill_per_token = (prefill_seconds -
+        step_overhead) / prefill_tokens``. The defaults are the step times that
+        ``prefixflight bench calibrate --repetitions 9`` fitted on 2026-11-30 (the project's
+        2-vCPU machine, 2 torch threads, fp32; its last output line prints these four
+        values): 68.2 ms + 1.825 ms per prefill token + 24.9 ms per decode. See the module
+        docstring, and `model_md` for MODEL.md's earlier calibration.
 
         ``overhead_share`` overrides the split of the batch-1 decode step between the fixed
         overhead and the per-request part (0: decode batching gains nothing; 1: a batch of
