@@ -124,6 +124,8 @@ def test_negative_token_count_is_rejected_without_change() -> None:
     cache = PrefixCache(LRU(4), block_size=2)
     with pytest.raises(UsageError, match="-1"):
         cache.access([1], -1)
+    with pytest.raises(UsageError, match="True"):
+        cache.access([1], True)
     assert cache.stats.requests == 0 and len(cache) == 0
 
 
@@ -141,4 +143,26 @@ def test_evictions_before_a_capacity_error_are_forgotten() -> None:
     assert cache.page("y") is None
     assert cache.stats.evictions == 1
     assert cache.stats.requests == 1  # the failed request is not counted
+    cache.check_invariants()
+
+
+@pytest.mark.parametrize("with_sink", [False, True])
+def test_a_failed_publication_loses_no_page(with_sink: bool) -> None:
+    from prefixflight.core import CapacityError
+
+    events: list[KVEvent] = []
+    cache = PrefixCache(
+        S3FIFO(4, small_ratio=0.5), block_size=1, event_sink=events.append if with_sink else None
+    )
+    for i, b in enumerate(["m1", "m2", "c", "d"]):
+        cache.publish([b], [i])
+        if b != "c":
+            cache.pin([b])
+    with pytest.raises(CapacityError) as info:
+        cache.publish(["x", "y"], [10, 11])  # x evicts c; y finds every victim pinned
+    err = info.value
+    kept = {cache.page(b) for b in cache.policy.resident()}
+    returned = {p for _, p in err.evicted} | set(err.unused_pages)
+    assert kept | returned == {0, 1, 2, 3, 10, 11}  # every page is kept or handed back
+    assert not kept & returned
     cache.check_invariants()

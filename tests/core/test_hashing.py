@@ -104,3 +104,21 @@ def test_bad_input_is_named() -> None:
         BlockHasher(algorithm="md5")  # type: ignore[arg-type]
     with pytest.raises(UsageError, match="int64"):
         BlockHasher().hash_tokens([2**70])
+
+
+@given(st.lists(st.integers(0, 999), max_size=40), tokens, st.integers(1, 5), algorithms)
+def test_a_chain_continues_from_its_last_hash(
+    head: list[int], tail: list[int], bs: int, algo: str
+) -> None:
+    h = BlockHasher(block_size=bs, namespace="ns", algorithm=algo)  # type: ignore[arg-type]
+    head = head[: len(head) - len(head) % bs]  # whole blocks
+    whole = h.hash_tokens(head + tail)
+    parent = h.hash_tokens(head)[-1] if head else None
+    assert h.hash_tokens(tail, parent=parent) == whole[len(head) // bs :]
+
+
+def test_a_foreign_parent_is_rejected() -> None:
+    with pytest.raises(UsageError, match="32-byte"):
+        BlockHasher().hash_tokens([1], parent=7)
+    with pytest.raises(UsageError, match="64-bit"):
+        BlockHasher(algorithm="crc64").hash_tokens([1], parent=b"x")

@@ -479,3 +479,32 @@ def test_rejected_results_leave_the_state_unchanged(kind: str) -> None:
         h.s.schedule(1.0)
     h.s.complete_step(good, 1.0)
     h.s.check_invariants()
+
+
+def test_a_coordinator_that_already_knows_requests_is_rejected() -> None:
+    from prefixflight.core import Arrived, FlightKey
+
+    coord = FlightCoordinator(FlightConfig(block_size=2))
+    coord.handle(Arrived(request_id="elsewhere", key=FlightKey.of([1, 2, 3]), now=0.0))
+    with pytest.raises(ConfigError, match="'elsewhere'"):
+        Scheduler(SchedulerConfig(num_pages=8, block_size=2), coordinator=coord)
+
+
+@pytest.mark.parametrize("namespace", [5, None, ["a"]])
+def test_a_namespace_must_be_text_or_bytes(namespace: object) -> None:
+    sched = Scheduler(SchedulerConfig(num_pages=8, block_size=2))
+    with pytest.raises(UsageError, match=repr(namespace).replace("[", r"\[")):
+        sched.add_request("r", [1, 2, 3], max_new_tokens=1, now=0.0, namespace=namespace)  # type: ignore[arg-type]
+    assert sched.requests() == {}
+
+
+@pytest.mark.parametrize("bad", [(1,), ([1], 0), "r0"])
+def test_a_malformed_sampled_entry_is_rejected_without_change(bad: object) -> None:
+    sched = Scheduler(SchedulerConfig(num_pages=8, block_size=2))
+    sched.add_request("r", [1, 2, 3], max_new_tokens=2, now=0.0)
+    plan = sched.schedule(0.0)
+    with pytest.raises(UsageError, match="sampled entries"):
+        sched.complete_step(StepResult(step=plan.step, sampled=(bad,)), now=1.0)  # type: ignore[arg-type]
+    assert sched.outstanding == plan
+    outcome = sched.complete_step(StepResult(step=plan.step, sampled=(("r", 7),)), now=1.0)
+    assert outcome.tokens == (("r", 7),)

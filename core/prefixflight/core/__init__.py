@@ -15,6 +15,7 @@ from ._cache import (
     BlockRemoved,
     BlockStored,
     CacheStats,
+    EventSink,
     KVEvent,
     PrefixCache,
 )
@@ -115,6 +116,7 @@ __all__ = [
     "CostModel",
     "CurvePoint",
     "DecodeWork",
+    "EventSink",
     "EvictionPolicy",
     "FindingsRow",
     "FinishReason",

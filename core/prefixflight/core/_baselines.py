@@ -35,10 +35,10 @@ from ._routing import (
     Routed,
     Router,
     RouteRequest,
-    assert_never,
     check_now,
     check_replicas,
 )
+from ._validate import assert_never
 
 __all__ = ["ApproxPrefixConfig", "ApproxPrefixRouter", "BurstAffinityRouter", "LeastLoadedRouter"]
 

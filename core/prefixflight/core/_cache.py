@@ -24,6 +24,7 @@ __all__ = [
     "BlockRemoved",
     "BlockStored",
     "CacheStats",
+    "EventSink",
     "KVEvent",
     "PrefixCache",
 ]
@@ -180,8 +181,8 @@ class PrefixCache:
         admitted because everything is pinned, `CapacityError` is raised, the request is not
         counted, and the blocks before it (``error.applied`` of them) stay accessed.
         """
-        if num_tokens < 0:
-            raise UsageError(f"num_tokens must be >= 0, got {num_tokens!r}")
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+            raise UsageError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
         policy = self._policy
         k = policy.resident_prefix(blocks)
         hit = min(k * self._block_size, num_tokens)
@@ -228,9 +229,11 @@ class PrefixCache:
             raise UsageError(
                 f"got {len(token_ids)} token ids for {len(blocks)} blocks of {self._block_size}"
             )
+        if pages is not None:
+            return self.publish_pages(blocks, pages, parent=parent, token_ids=token_ids)[0]
         if self._sink is None and self._access_into is not None:
-            return self._publish_batch(blocks, pages)[0]
-        return self._access_with_events(blocks, pages, parent=parent, token_ids=token_ids)
+            return self._publish_batch(blocks, None)[0]
+        return self._access_with_events(blocks, None, parent=parent, token_ids=token_ids)
 
     def publish_pages(
         self,
@@ -257,11 +260,19 @@ class PrefixCache:
         if self._sink is None and self._access_into is not None:
             return self._publish_batch(blocks, pages)
         taken_before = {b: self._pages.get(b) for b in blocks}
-        evicted = self._access_with_events(blocks, pages, parent=parent, token_ids=token_ids)
+        error: CapacityError | None = None
+        try:
+            evicted = self._access_with_events(blocks, pages, parent=parent, token_ids=token_ids)
+        except CapacityError as exc:
+            error, evicted = exc, exc.evicted
         used = {p for _, p in evicted if p is not None}
         used.update(p for b in blocks if (p := self._pages.get(b)) is not None)
         used.difference_update(p for p in taken_before.values() if p is not None)
-        return evicted, [p for p in pages if p not in used]
+        unused = [p for p in pages if p not in used]
+        if error is not None:
+            error.unused_pages = unused
+            raise error
+        return evicted, unused
 
     def evict_many(self, count: int) -> list[tuple[BlockHash, int | None]]:
         """Evict up to ``count`` unpinned blocks in the policy's order (fewer if the rest
@@ -423,6 +434,8 @@ class PrefixCache:
             elif page is not None:
                 unused.append(page)
         if error is not None:
+            error.evicted = list(out)
+            error.unused_pages = unused
             raise error
         return out, unused
 
@@ -443,9 +456,9 @@ class PrefixCache:
             was_resident = b in policy
             try:
                 evicted = policy.access((b,))
-            except Exception as exc:
-                if hasattr(exc, "applied"):
-                    exc.applied = i
+            except CapacityError as exc:
+                exc.applied = i
+                exc.evicted = list(out)
                 raise
             if evicted:
                 out.extend(self._forget(evicted))

@@ -166,8 +166,8 @@ class LRUCurve:
 
     def access(self, blocks: Sequence[BlockHash], num_tokens: int) -> tuple[int, ...]:
         """One request: its hit tokens under each capacity, then every block is accessed."""
-        if num_tokens < 0:
-            raise UsageError(f"num_tokens must be >= 0, got {num_tokens!r}")
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+            raise UsageError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
         running = self._scan(blocks)
         self._touch(blocks)
         self._requests += 1

@@ -5,6 +5,8 @@ Any other exception escaping from the core is a bug.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 __all__ = [
     "CapacityError",
     "ConfigError",
@@ -33,12 +35,17 @@ class CapacityError(PrefixflightError):
     """Nothing can be freed right now (every candidate block is pinned).
 
     The state is unchanged; retry once something has been unpinned. For a batch call,
-    ``applied`` says how many items were applied before the one that failed.
+    ``applied`` says how many items were applied before the one that failed; what those
+    items evicted comes back in ``evicted`` (``(block, page)`` pairs, as the call would have
+    returned them) and the caller's pages the cache did not keep in ``unused_pages``, so no
+    page is ever lost.
     """
 
     def __init__(self, message: str, *, applied: int = 0) -> None:
         super().__init__(message)
         self.applied = applied
+        self.evicted: list[tuple[Hashable, int | None]] = []
+        self.unused_pages: list[int] = []
 
 
 class TraceFormatError(UsageError):

@@ -18,14 +18,14 @@ import hashlib
 from array import array
 from collections import deque
 from collections.abc import Sequence
-from typing import NoReturn, TypeAlias, final
+from typing import TypeAlias, final
 
 import attrs
 
 from ._errors import ConfigError, UsageError
 from ._hashing import BlockHash
 from ._plan import RequestId
-from ._validate import check_int
+from ._validate import assert_never, check_int
 
 __all__ = [
     "Aborted",
@@ -49,10 +49,6 @@ __all__ = [
     "Tick",
     "Wait",
 ]
-
-
-def _assert_never(value: NoReturn) -> NoReturn:  # typing.assert_never is 3.11+
-    raise AssertionError(f"unhandled value {value!r}")
 
 
 class ReleasePolicy(enum.Enum):
@@ -425,7 +421,7 @@ class FlightCoordinator:
                 self._now = now
                 self._expire(now, out)
             case _:
-                _assert_never(event)
+                assert_never(event)
         return tuple(out)
 
     # -- checks (raise before any change) ------------------------------------------------

@@ -99,26 +99,54 @@ class BlockHasher:
         full, rest = divmod(num_tokens, self.block_size)
         return full + (1 if rest and self.include_partial else 0)
 
-    def hash_tokens(self, token_ids: Sequence[int]) -> tuple[BlockHash, ...]:
-        """Chained hashes of ``token_ids``' blocks, block 0 first."""
+    def hash_tokens(
+        self, token_ids: Sequence[int], *, parent: BlockHash | None = None
+    ) -> tuple[BlockHash, ...]:
+        """Chained hashes of ``token_ids``' blocks, block 0 first.
+
+        ``parent`` continues a chain: give the hash of the block just before ``token_ids``
+        (which must then start on a block boundary) to hash only the new blocks, in O(new
+        blocks); ``hash_tokens(a + b)[len(a) // block_size:] == hash_tokens(b,
+        parent=hash_tokens(a)[-1])`` for ``a`` a whole number of blocks.
+        """
         data = _token_bytes(token_ids)
         step = self.block_size * _TOKEN_BYTES
         end = len(data) if self.include_partial else len(data) - len(data) % step
         if self.algorithm == "sha256":
             out_b: list[bytes] = []
             append = out_b.append
-            parent = self._seed
+            chain = self._seed if parent is None else self._parent_bytes(parent)
             for i in range(0, end, step):
-                parent = _sha256(parent + data[i : i + step]).digest()
-                append(parent)
+                chain = _sha256(chain + data[i : i + step]).digest()
+                append(chain)
             return tuple(out_b)
         out_i: list[int] = []
         append_i = out_i.append
-        lo = int.from_bytes(self._seed[:4], "little")
-        hi = int.from_bytes(self._seed[4:8], "little")
+        if parent is None:
+            lo = int.from_bytes(self._seed[:4], "little")
+            hi = int.from_bytes(self._seed[4:8], "little")
+        else:
+            value = self._parent_int(parent)
+            lo, hi = value & 0xFFFFFFFF, value >> 32
         for i in range(0, end, step):
             chunk = data[i : i + step]
             lo = _crc32(chunk, lo ^ hi)
             hi = _crc32(chunk, hi ^ 0x9E3779B9 ^ lo)
             append_i((hi << 32) | lo)
         return tuple(out_i)
+
+    @staticmethod
+    def _parent_bytes(parent: BlockHash) -> bytes:
+        if not isinstance(parent, bytes) or len(parent) != 32:
+            from ._errors import UsageError
+
+            raise UsageError(f"parent must be a 32-byte sha256 block hash, got {parent!r}")
+        return parent
+
+    @staticmethod
+    def _parent_int(parent: BlockHash) -> int:
+        if isinstance(parent, bool) or not isinstance(parent, int) or not 0 <= parent < 2**64:
+            from ._errors import UsageError
+
+            raise UsageError(f"parent must be a 64-bit crc64 block hash, got {parent!r}")
+        return parent

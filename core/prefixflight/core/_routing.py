@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from typing import NoReturn, Protocol
+from typing import Protocol
 
 import attrs
 
@@ -24,7 +24,6 @@ __all__ = [
     "Routed",
     "Router",
     "Rng",
-    "assert_never",
     "check_now",
     "check_replicas",
 ]
@@ -150,8 +149,3 @@ def check_replicas(replicas: Sequence[ReplicaLoad]) -> tuple[ReplicaLoad, ...]:
             raise UsageError(f"duplicate replica name {r.name!r}")
         seen.add(r.name)
     return out
-
-
-def assert_never(value: NoReturn) -> NoReturn:
-    """`typing.assert_never` (Python 3.11+), for exhaustive matches on 3.10 too."""
-    raise AssertionError(f"unhandled value: {value!r}")

@@ -34,7 +34,7 @@ from __future__ import annotations
 import enum
 from collections import deque
 from collections.abc import Iterable, Sequence
-from typing import NoReturn, final
+from typing import final
 
 import attrs
 
@@ -61,7 +61,7 @@ from ._flight import (
 from ._hashing import BlockHash, BlockHasher
 from ._plan import DecodeWork, PrefillWork, RequestId, StepPlan, StepResult
 from ._policies import LRU
-from ._validate import check_int
+from ._validate import assert_never, check_int
 
 __all__ = [
     "FinishReason",
@@ -75,10 +75,6 @@ __all__ = [
     "SchedulerStats",
     "StepOutcome",
 ]
-
-
-def _assert_never(value: NoReturn) -> NoReturn:  # typing.assert_never is 3.11+
-    raise AssertionError(f"unhandled value {value!r}")
 
 
 class PublishMode(enum.Enum):
@@ -286,10 +282,6 @@ class _Request:
     def prompt_done(self) -> bool:
         return self.num_computed >= len(self.prompt)
 
-    def sequence(self, end: int) -> list[int]:
-        """Tokens at positions ``[0, end)``."""
-        return self.tokens(0, end)
-
     def tokens(self, start: int, end: int) -> list[int]:
         """Tokens at positions ``[start, end)`` (prompt, then output)."""
         n = len(self.prompt)
@@ -361,6 +353,11 @@ class Scheduler:
             raise ConfigError(
                 f"coordinator block_size {coordinator.config.block_size} != "
                 f"config block_size {config.block_size}"
+            )
+        elif known := coordinator.placements():
+            raise ConfigError(
+                f"the coordinator must start empty, it knows {len(known)} requests "
+                f"(e.g. {next(iter(known))!r})"
             )
         self._config = config
         self._cache = cache
@@ -478,7 +475,11 @@ class Scheduler:
                 f"({len(prompt)} prompt + {max_new_tokens} new tokens) but the pool has "
                 f"{self._config.num_pages}"
             )
-        ns = namespace.encode("utf-8") if isinstance(namespace, str) else bytes(namespace)
+        if not isinstance(namespace, (str, bytes)):
+            raise UsageError(
+                f"request {request_id!r}: namespace must be str or bytes, got {namespace!r}"
+            )
+        ns = namespace.encode("utf-8") if isinstance(namespace, str) else namespace
         hasher = self._hashers.get(ns)
         if hasher is None:
             hasher = self._hashers[ns] = BlockHasher(bs, namespace=ns)
@@ -529,7 +530,7 @@ class Scheduler:
                 else:
                     self._end(req)
             case _:
-                _assert_never(req.state)
+                assert_never(req.state)
         self._stats.aborted += 1
         return self._report(req, FinishReason.ABORTED, None)
 
@@ -590,7 +591,12 @@ class Scheduler:
         if result.step != plan.step:
             raise UsageError(f"result is for step {result.step!r}, outstanding is {plan.step}")
         sampled: dict[RequestId, int] = {}
-        for rid, tok in result.sampled:
+        for pair in result.sampled:
+            if not isinstance(pair, tuple) or len(pair) != 2 or not isinstance(pair[0], (int, str)):
+                raise UsageError(
+                    f"step {plan.step}: sampled entries must be (request_id, token), got {pair!r}"
+                )
+            rid, tok = pair
             if rid in sampled:
                 raise UsageError(f"step {plan.step}: request {rid!r} sampled twice")
             if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
@@ -746,9 +752,14 @@ class Scheduler:
             return
         cache = self._cache
         bs = self._config.block_size
-        if upto > len(req.hashes):
+        if upto > len(req.hashes):  # hash only the new blocks, continuing the chain
             hasher = self._hashers[req.namespace]
-            req.hashes = list(hasher.hash_tokens(req.sequence(upto * bs)))
+            have = len(req.hashes)
+            req.hashes.extend(
+                hasher.hash_tokens(
+                    req.tokens(have * bs, upto * bs), parent=req.hashes[-1] if have else None
+                )
+            )
         stats = self._stats
         done: list[tuple[BlockHash, int | None]] = []  # (block, own page or None if duplicate)
         for j in range(upto - 1, start - 1, -1):
@@ -877,7 +888,7 @@ class Scheduler:
             case Lead() | Wait() | Independent():
                 raise AssertionError(f"unexpected decision for another request: {d!r}")
             case _:
-                _assert_never(d)
+                assert_never(d)
 
     # -- internals: checks and reports -----------------------------------------------------
     def _in_outstanding(self, request_id: RequestId) -> bool:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 from ._errors import ConfigError
 
-__all__ = ["check_int", "check_ratio"]
+__all__ = ["assert_never", "check_int", "check_ratio"]
 
 
 def check_int(name: str, value: object, *, minimum: int | None = None) -> int:
@@ -23,3 +25,8 @@ def check_ratio(name: str, value: object) -> float:
     if not 0.0 <= value <= 1.0:  # also rejects NaN
         raise ConfigError(f"{name} must be in [0, 1], got {value!r}")
     return float(value)
+
+
+def assert_never(value: NoReturn) -> NoReturn:
+    """`typing.assert_never` (Python 3.11+), for exhaustive matches on 3.10 too."""
+    raise AssertionError(f"unhandled value: {value!r}")

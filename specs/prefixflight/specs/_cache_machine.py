@@ -26,6 +26,7 @@ from prefixflight.core import (
     PrefixCache,
     UsageError,
 )
+from prefixflight.core._validate import assert_never
 
 from ._reference import ReferenceLRU, ReferenceS3FIFO
 from ._strategies import s3fifo_configs
@@ -165,6 +166,8 @@ class CacheConformance(RuleBasedStateMachine):
                     self.mirror -= set(hs)
                 case AllBlocksCleared():
                     self.mirror.clear()
+                case _:
+                    assert_never(event)
         self.events.clear()
         resident = self.cache.policy.resident()
         assert self.mirror == resident, "KV events do not mirror the cache"

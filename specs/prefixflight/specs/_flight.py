@@ -51,6 +51,7 @@ from prefixflight.core import (
     UsageError,
     Wait,
 )
+from prefixflight.core._validate import assert_never
 
 __all__ = ["CoordinatorUnderTest", "FlightCoordinatorMachine", "FlightModel"]
 
@@ -395,6 +396,8 @@ class FlightCoordinatorMachine(RuleBasedStateMachine):
                 case ReleaseReason.BLOCKS_PUBLISHED:
                     assert self.config.min_shared_blocks is not None
                     assert isinstance(event, (Progress, PrefillDone, Finished))
+                case _:
+                    assert_never(d.reason)
 
     def _known(self) -> list[RequestId]:
         assert self.model is not None
