@@ -217,7 +217,12 @@ def test_bad_requests_are_rejected_and_change_nothing(tiny_model: Any) -> None:
                 engine.generate([])
             with pytest.raises(UsageError, match="needs"):
                 engine.generate([1] * 1000, SamplingParams(max_tokens=1))
+            with pytest.raises(UsageError, match="99999"):
+                engine.generate([5, 99999])
             assert engine.scheduler.requests() == before
+            # the engine still serves the request it had
+            report = await engine.generate([1, 2, 3], SamplingParams(max_tokens=2)).result()
+            assert len(report.output_token_ids) == 2
 
     run(main)
 

@@ -99,7 +99,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="scheduler token budget per step (default 1024)",
     )
     add_model_options(p)
-    p.set_defaults(func=run_ttft)
+    p.set_defaults(func=run_ttft, parser=p)
     c = which.add_parser(
         "calibrate",
         help="fit the simulator's cost model to measured step times",
@@ -132,7 +132,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     c.add_argument("--threads", type=int, default=2, metavar="N", help="torch CPU threads (2)")
     c.add_argument("--json", metavar="FILE", help="also write the report as JSON here")
     c.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    c.set_defaults(func=run_calibrate)
+    c.set_defaults(func=run_calibrate, parser=c)
 
 
 def backend() -> ModuleType:

@@ -28,7 +28,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument("--repetitions", type=int, default=1, metavar="N", help="default 1")
     add_model_options(p)
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, parser=p)
 
 
 async def _answer(runner: Any, tokenizer: Any) -> str:

@@ -41,7 +41,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         status: int = args.func(args)
     except PrefixflightError as exc:
-        print(f"prefixflight {args.command}: error: {exc}", file=sys.stderr)
+        leaf = getattr(args, "parser", None)  # the sub-command's own parser, if it set one
+        name = leaf.prog if isinstance(leaf, argparse.ArgumentParser) else parser.prog
+        print(f"{name}: error: {exc}", file=sys.stderr)
         return 1
     except BrokenPipeError:  # e.g. piped into head
         return 0

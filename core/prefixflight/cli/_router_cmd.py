@@ -114,7 +114,7 @@ def register_router(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     c.add_argument(
         "--engine-block-size",
         type=int,
-        default=16,
+        default=None,
         help="engine KV block size in tokens (16; 512 for a trace)",
     )
     c.add_argument(
@@ -163,7 +163,7 @@ def register_router(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def _workload(args: argparse.Namespace) -> Workload:
     rng = random.Random(args.seed)
     if args.trace:
-        block = args.block_size or 512
+        block = 512 if args.block_size is None else args.block_size
         with read_trace(args.trace) as reader:
             records = progress(reader, desc="trace", unit="req", quiet=args.quiet)
             return trace_workload(
@@ -184,7 +184,7 @@ def _workload(args: argparse.Namespace) -> Workload:
         output_tokens=args.output_tokens,
         shared_prefix_tokens=args.shared_prefix_tokens,
         burst_s=args.burst_ms / 1000.0,
-        route_block_size=args.block_size or 64,
+        route_block_size=64 if args.block_size is None else args.block_size,
         engine_block_size=args.engine_block_size,
     )
 
@@ -247,8 +247,14 @@ def format_table(
 
 
 def run_router(args: argparse.Namespace) -> int:
-    if args.trace and args.engine_block_size == 16:
-        args.engine_block_size = args.block_size or 512
+    for flag in ("block_size", "engine_block_size"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            args.parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    if args.engine_block_size is None:  # a trace's hash ids are per 512-token block
+        args.engine_block_size = (
+            (512 if args.block_size is None else args.block_size) if args.trace else 16
+        )
     cluster = ClusterConfig(
         replicas=args.replicas,
         cache_capacity_blocks=args.cache_blocks,

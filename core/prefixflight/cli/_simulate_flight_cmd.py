@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -77,7 +78,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     eng.add_argument("--late-after-tokens", type=int, default=16, metavar="N",
                      help="late arrival: the second request arrives after the first has "
                           "produced N tokens (16)")  # fmt: skip
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, parser=p)
 
 
 def _pct(new: float, base: float) -> str:
@@ -209,7 +210,18 @@ def run(args: argparse.Namespace) -> int:
         decode_batch1=args.decode_batch1, decode_batch8=args.decode_batch8,
     )  # fmt: skip
     calibration = {k: v for k, v in given.items() if v is not None}
-    cost = CostModel.calibrated(overhead_share=args.overhead_share, **calibration)
+    for name, value in calibration.items():
+        if not math.isfinite(value) or value <= 0:
+            raise ConfigError(
+                f"--{name.replace('_', '-')} must be a finite number > 0, got {value}"
+            )
+    try:
+        cost = CostModel.calibrated(overhead_share=args.overhead_share, **calibration)
+    except ConfigError as exc:
+        flags = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in calibration.items())
+        raise ConfigError(
+            f"these measured times give no valid cost model ({flags}): {exc}"
+        ) from None
     sim = FlightSimConfig(max_batch_tokens=args.max_batch_tokens)
     out_n = args.output_tokens
     inc = simulate_incremental_publication(cost, sim, output_tokens=out_n)

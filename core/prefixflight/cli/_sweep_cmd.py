@@ -278,7 +278,12 @@ def plot(doc: dict[str, Any], path: str, *, block_size: int) -> None:
         plt.close(fig)
 
 
+_PLOT_FORMATS = (".png", ".pdf", ".svg")
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.plot and Path(args.plot).suffix.lower() not in _PLOT_FORMATS:
+        args.parser.error(f"--plot {args.plot!r}: use a {', '.join(_PLOT_FORMATS)} file")
     doc = sweep(
         args.trace,
         args.policies or list(_POLICIES),

@@ -360,6 +360,10 @@ class AsyncEngine:
             ids: Sequence[int] = self.tokenizer(prompt)["input_ids"]
         else:
             ids = prompt
+        vocab = self.runner.vocab_size
+        bad = [t for t in ids if isinstance(t, int) and not 0 <= t < vocab]
+        if bad:  # checked here: inside a step it would fail every live request
+            raise UsageError(f"token id {bad[0]!r} is not in [0, {vocab})")
         rid = next(self._ids) if request_id is None else request_id
         while request_id is None and rid in self._live:  # pragma: no cover - user took it
             rid = next(self._ids)

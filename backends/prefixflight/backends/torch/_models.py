@@ -93,11 +93,23 @@ def load_smollm2(
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # conversion and loading chatter, not our concern
             if not (target / "config.json").is_file():
-                _convert(gguf, target)
-            tokenizer = AutoTokenizer.from_pretrained(target, local_files_only=True)
-            model: Any = AutoModelForCausalLM.from_pretrained(
-                target, dtype=dt, local_files_only=True
-            )
+                try:
+                    _convert(gguf, target)
+                except OSError as exc:
+                    raise UsageError(
+                        f"cannot write the model cache {str(target)!r}: {exc.strerror or exc} "
+                        "(set PREFIXFLIGHT_CACHE or cache_dir to a writable folder)"
+                    ) from None
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(target, local_files_only=True)
+                model: Any = AutoModelForCausalLM.from_pretrained(
+                    target, dtype=dt, local_files_only=True
+                )
+            except (OSError, ValueError) as exc:
+                raise UsageError(
+                    f"the cached model at {str(target)!r} is unreadable ({exc}); delete that "
+                    "folder and it is converted again"
+                ) from None
     finally:
         if bars:
             hf_logging.enable_progress_bar()

@@ -93,6 +93,11 @@ class TransformersRunner:
         self.deduplicate = bool(deduplicate)
         self.deduplicated_rows = 0
 
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the model accepts: ``[0, vocab_size)``."""
+        return self._vocab
+
     @classmethod
     def for_model(
         cls,
