@@ -248,6 +248,8 @@ def test_workload_errors() -> None:
     dup = [Arrival(request_id=1, prompt=(1,), max_new_tokens=1)] * 2
     with pytest.raises(UsageError, match="duplicate"):
         simulate_engine(dup, config=cfg, flight=flight, cost=COST)
+    with pytest.raises(UsageError, match="no arrivals"):
+        simulate_engine([], config=cfg, flight=flight, cost=COST)
     never = [
         Arrival(request_id=1, prompt=(1,), max_new_tokens=1),
         Arrival(request_id=2, prompt=(1,), max_new_tokens=1, after=(1, 5)),

@@ -254,6 +254,8 @@ def simulate_engine(
             timed.append((a.at, i, a))
         else:
             triggered.setdefault(a.after[0], []).append((a.after[1], i, a))
+    if not order:
+        raise UsageError("the workload has no arrivals")
     heapq.heapify(timed)
     produced: dict[RequestId, int] = {}
     reports: dict[RequestId, RequestReport] = {}
