@@ -501,3 +501,126 @@ def test_identical_rows_over_shared_pages_are_computed_once(
     for d, prompt in zip(decodes, prompts, strict=True):
         expected = full_logits(tiny_model, (*prompt, d.token_id))
         torch.testing.assert_close(runner.last_logits[d.request_id], expected, atol=ATOL, rtol=0)
+
+
+@FAST
+@given(
+    length=st.integers(1, 20),
+    count=st.integers(1, 4),
+    page_size=st.integers(1, 8),
+    data=st.data(),
+)
+def test_decode_reuse_equals_gathering_every_step(
+    tiny_model: Any, length: int, count: int, page_size: int, data: st.DataObject
+) -> None:
+    """Reusing a decode pass's cache gives exactly the reference path's logits and tokens.
+
+    Two runners (``reuse_decode`` on and off) run the same plans: equal-length prompts
+    decode together (the reusable case), while random steps drop requests from the batch,
+    join a new request (a prefill writes the pool) or run a request alone.
+    """
+    g = torch.Generator().manual_seed(length * 10 + count)
+    prompts = [tuple(torch.randint(0, VOCAB, (length,), generator=g).tolist()) for _ in range(5)]
+    runners = [
+        TransformersRunner.for_model(
+            tiny_model, num_pages=160, page_size=page_size, device="cpu", reuse_decode=reuse
+        )
+        for reuse in (True, False)
+    ]
+    steps = 6
+    tables = {
+        i: tuple(range(i * 32, i * 32 + pages_for(length + steps + 1, page_size))) for i in range(5)
+    }
+    generated: dict[int, list[int]] = {}
+
+    def run(plan: StepPlan) -> None:
+        results = [r.execute(plan) for r in runners]
+        assert results[0] == results[1]
+        for rid in runners[1].last_logits:
+            assert torch.equal(runners[0].last_logits[rid], runners[1].last_logits[rid])
+        for rid, tok in results[0].sampled:
+            generated.setdefault(int(rid), []).append(tok)
+
+    first = tuple(
+        PrefillWork(request_id=i, token_ids=prompts[i], start=0, pages=tables[i], sample=True)
+        for i in range(count)
+    )
+    run(StepPlan(step=0, prefills=first))
+    live = list(range(count))
+    for step in range(1, steps):
+        action = data.draw(st.sampled_from(["same", "same", "drop", "join", "alone"]))
+        batch = live
+        prefills: tuple[PrefillWork, ...] = ()
+        if action == "drop" and len(live) > 1:
+            live = batch = live[1:]
+        elif action == "join" and len(generated) < 5:
+            new = len(generated)
+            prefills = (
+                PrefillWork(
+                    request_id=new, token_ids=prompts[new], start=0, pages=tables[new], sample=True
+                ),
+            )
+        elif action == "alone":
+            batch = live[-1:]
+        decodes = tuple(
+            DecodeWork(
+                request_id=i,
+                token_id=generated[i][-1],
+                position=length + len(generated[i]) - 1,
+                pages=tables[i],
+            )
+            for i in batch
+        )
+        run(StepPlan(step=step, prefills=prefills, decodes=decodes))
+        live = sorted({*live, *(int(p.request_id) for p in prefills)})
+    assert runners[1].reused_passes == 0
+    for i, toks in generated.items():
+        assert toks == greedy_reference(tiny_model, prompts[i], len(toks))
+
+
+def test_decode_reuse_happens_for_a_steady_batch(tiny_model: Any) -> None:
+    """Equal-length requests decoding together reuse every pass after the first decode."""
+    runner = make_runner(tiny_model, num_pages=64, page_size=4)
+    prompts = [tuple(range(i, i + 10)) for i in range(3)]
+    tables = {i: tuple(range(i * 8, i * 8 + 8)) for i in range(3)}
+    result = runner.execute(
+        StepPlan(
+            step=0,
+            prefills=tuple(
+                PrefillWork(request_id=i, token_ids=p, start=0, pages=tables[i], sample=True)
+                for i, p in enumerate(prompts)
+            ),
+        )
+    )
+    seqs = {int(i): [*prompts[int(i)], tok] for i, tok in result.sampled}
+    for step in range(1, 6):
+        plan = StepPlan(
+            step=step,
+            decodes=tuple(
+                DecodeWork(request_id=i, token_id=s[-1], position=len(s) - 1, pages=tables[i])
+                for i, s in seqs.items()
+            ),
+        )
+        for rid, tok in runner.execute(plan).sampled:
+            torch.testing.assert_close(
+                runner.last_logits[rid],
+                full_logits(tiny_model, tuple(seqs[int(rid)])),
+                atol=ATOL,
+                rtol=0,
+            )
+            seqs[int(rid)].append(tok)
+    assert runner.reused_passes == 4  # the first decode gathers, the next four reuse
+    # Anything written into the pool in between (here: a copy into an unused page) makes
+    # the next pass gather again.
+    pool = runner.pool
+    spare = pool.slots((60,), 0, 1)
+    pool.copy(pool.slots(tables[0], 0, 1), spare)
+    plan = StepPlan(
+        step=6,
+        decodes=tuple(
+            DecodeWork(request_id=i, token_id=s[-1], position=len(s) - 1, pages=tables[i])
+            for i, s in seqs.items()
+        ),
+    )
+    runner.execute(plan)
+    assert runner.reused_passes == 4

@@ -41,6 +41,7 @@ class PagedKVPool:
         "num_layers",
         "num_pages",
         "page_size",
+        "version",
     )
 
     def __init__(
@@ -61,6 +62,7 @@ class PagedKVPool:
         self.page_size = check_int("page_size", page_size, minimum=1)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        self.version = 0  # bumped by every write and copy: cached gathers compare it
         shape = (num_layers, 2, num_pages * page_size, num_kv_heads, head_dim)
         try:
             self._kv = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -132,10 +134,12 @@ class PagedKVPool:
     # -- data ------------------------------------------------------------------------------
     def write(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
         """Store ``kv`` (``[layers, 2, n, kv_heads, head_dim]``) into ``slots`` (``n``)."""
+        self.version += 1
         self._kv.index_copy_(2, slots, kv.to(self.dtype))
 
     def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy the KV in slots ``src`` to slots ``dst`` (same length, disjoint)."""
+        self.version += 1
         self._kv.index_copy_(2, dst, self._kv.index_select(2, src))
 
     def gather(self, slots: torch.Tensor) -> torch.Tensor:

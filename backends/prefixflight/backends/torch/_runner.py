@@ -50,10 +50,20 @@ class TransformersRunner:
     context pages, e.g. the followers of a flight recomputing their last prompt token) are
     computed once; each copy gets the KV written into its own pages and samples with its own
     settings. `deduplicated_rows` counts them.
+
+    Decode reuse: with ``reuse_decode`` (default), a forward pass of single-token rows that
+    all continue from the same position keeps its transformers cache; when the next pass is
+    the same requests' next tokens over the same pages and nothing has written the pool in
+    between (`PagedKVPool.version`), that cache is used instead of gathering the whole
+    context from the pages again. It holds exactly the values the gather would read (the
+    model and pool share a dtype), so the results are the same; ``reuse_decode=False`` is
+    the plain gather-every-step reference. `reused_passes` counts the passes that reused.
     """
 
     __slots__ = (
         "_config",
+        "_exact",
+        "_kept",
         "_samplers",
         "_vocab",
         "deduplicate",
@@ -62,10 +72,18 @@ class TransformersRunner:
         "long_chunk",
         "model",
         "pool",
+        "reuse_decode",
+        "reused_passes",
     )
 
     def __init__(
-        self, model: Any, pool: PagedKVPool, *, long_chunk: int = 64, deduplicate: bool = True
+        self,
+        model: Any,
+        pool: PagedKVPool,
+        *,
+        long_chunk: int = 64,
+        deduplicate: bool = True,
+        reuse_decode: bool = True,
     ) -> None:
         config = model.config
         param = next(model.parameters())
@@ -92,6 +110,10 @@ class TransformersRunner:
         self.last_logits: dict[RequestId, torch.Tensor] = {}
         self.deduplicate = bool(deduplicate)
         self.deduplicated_rows = 0
+        self.reuse_decode = bool(reuse_decode)
+        self.reused_passes = 0
+        self._exact = param.dtype == pool.dtype  # cached KV equals what the pool stores
+        self._kept: _Kept | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -109,13 +131,16 @@ class TransformersRunner:
         dtype: str | torch.dtype | None = None,
         long_chunk: int = 64,
         deduplicate: bool = True,
+        reuse_decode: bool = True,
     ) -> TransformersRunner:
         """Move ``model`` to ``device``/``dtype`` (auto: CUDA if present) and give it a pool."""
         pool = PagedKVPool.for_model(
             model.config, num_pages=num_pages, page_size=page_size, device=device, dtype=dtype
         )
         model = model.to(device=pool.device, dtype=pool.dtype)
-        return cls(model, pool, long_chunk=long_chunk, deduplicate=deduplicate)
+        return cls(
+            model, pool, long_chunk=long_chunk, deduplicate=deduplicate, reuse_decode=reuse_decode
+        )
 
     # -- per-request sampling state -------------------------------------------------------
     def set_sampling(self, request_id: RequestId, params: SamplingParams) -> None:
@@ -227,8 +252,12 @@ class TransformersRunner:
         batch = len(group)
         width = max(r.start for r in group)  # K
         q = max(len(r.tokens) for r in group)  # Q
+        kept, self._kept = self._kept, None
         cache = DynamicCache(config=self._config)
-        if width:
+        if width and kept is not None and kept.continued_by(group, pool):
+            cache = kept.cache
+            self.reused_passes += 1
+        elif width:
             slots = torch.zeros((batch, width), dtype=torch.long, device=dev)
             for i, r in enumerate(group):
                 if r.start:
@@ -277,6 +306,14 @@ class TransformersRunner:
             chunks.append(new[:, :, i, :, q - n :])  # [L, 2, H, n, D]
             slots_new.append(pool.slots(r.pages, r.start, r.start + n))
         pool.write(torch.cat(slots_new), torch.cat(chunks, dim=3).transpose(2, 3))
+        if (
+            self.reuse_decode
+            and self._exact
+            and q == 1
+            and all(r.start == width for r in group)
+            and all(layer.keys.shape[2] == width + 1 for layer in layers)
+        ):
+            self._kept = _Kept(tuple(group), out.cache, pool.version)
         logits: torch.Tensor = out.logits[:, -1]
         return logits
 
@@ -289,6 +326,30 @@ class _Row(NamedTuple):
     start: int
     pages: tuple[int, ...]
     sample: bool
+
+
+class _Kept(NamedTuple):
+    """A decode pass's cache: every row's context plus its new token, no padding."""
+
+    rows: tuple[_Row, ...]
+    cache: Any
+    version: int
+
+    def continued_by(self, group: list[_Row], pool: PagedKVPool) -> bool:
+        """Whether ``group`` is these rows' next tokens over unchanged pages."""
+        if self.version != pool.version or len(group) != len(self.rows):
+            return False
+        ps = pool.page_size
+        for old, new in zip(self.rows, group, strict=True):
+            n = -(-new.start // ps)
+            if (
+                new.request_id != old.request_id
+                or len(new.tokens) != 1
+                or new.start != old.start + 1
+                or new.pages[:n] != old.pages[:n]
+            ):
+                return False
+        return True
 
 
 def _batches(rows: list[_Row], long_chunk: int) -> list[list[_Row]]:
