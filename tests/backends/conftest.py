@@ -50,6 +50,18 @@ def tiny_factory() -> Callable[[str, int], Any]:
     return make_tiny_model
 
 
+class TinyTokenizer:
+    """Characters -> ids below the tiny models' vocabulary."""
+
+    def __call__(self, text: str) -> dict[str, list[int]]:
+        return {"input_ids": [ord(c) % 500 + 1 for c in text]}
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer() -> TinyTokenizer:
+    return TinyTokenizer()
+
+
 @pytest.fixture(scope="session")
 def smollm2() -> Any:
     """The real model, converted once into the cache root ($PREFIXFLIGHT_CACHE or

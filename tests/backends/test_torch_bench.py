@@ -15,14 +15,7 @@ pytest.importorskip("transformers")
 pytestmark = pytest.mark.torch
 
 
-class _Tokenizer:
-    """Characters -> ids below the tiny model's vocabulary."""
-
-    def __call__(self, text: str) -> dict[str, list[int]]:
-        return {"input_ids": [ord(c) % 500 + 1 for c in text]}
-
-
-def test_benchmark_pipeline_on_a_tiny_model(tiny_model: Any) -> None:
+def test_benchmark_pipeline_on_a_tiny_model(tiny_model: Any, tiny_tokenizer: Any) -> None:
     from prefixflight.backends.torch import TransformersRunner
     from prefixflight.backends.torch import _bench as bench
 
@@ -43,7 +36,7 @@ def test_benchmark_pipeline_on_a_tiny_model(tiny_model: Any) -> None:
     runner = TransformersRunner.for_model(
         tiny_model, num_pages=config.num_pages, page_size=4, device="cpu"
     )
-    tok = _Tokenizer()
+    tok = tiny_tokenizer
     bench.warm_up(runner, tok, config)
     runs = bench.plan_runs(config)
     # interleaving: each repetition runs every strategy, starting from a rotated one

@@ -15,14 +15,7 @@ pytest.importorskip("transformers")
 pytestmark = pytest.mark.torch
 
 
-class _Tokenizer:
-    """Characters -> ids below the tiny model's vocabulary."""
-
-    def __call__(self, text: str) -> dict[str, list[int]]:
-        return {"input_ids": [ord(c) % 500 + 1 for c in text]}
-
-
-def test_calibration_report_on_a_tiny_model(tiny_model: Any) -> None:
+def test_calibration_report_on_a_tiny_model(tiny_model: Any, tiny_tokenizer: Any) -> None:
     from prefixflight.backends.torch import TransformersRunner
     from prefixflight.backends.torch import _calibrate as cal
     from prefixflight.core import CostModel
@@ -46,7 +39,7 @@ def test_calibration_report_on_a_tiny_model(tiny_model: Any) -> None:
             seen.append(r)
             yield r
 
-    report = cal.calibrate(runner, _Tokenizer(), config, progress=progress)
+    report = cal.calibrate(runner, tiny_tokenizer, config, progress=progress)
     json.dumps(report)
     assert seen == [0, 1, 2]
     names = [r["case"] for r in report["cases"]]
@@ -81,7 +74,7 @@ def test_calibration_report_on_a_tiny_model(tiny_model: Any) -> None:
     assert "fitted cost model" in text and "suffix 5 over 16 (not fitted)" in text
 
 
-def test_a_too_small_pool_is_rejected(tiny_model: Any) -> None:
+def test_a_too_small_pool_is_rejected(tiny_model: Any, tiny_tokenizer: Any) -> None:
     from prefixflight.backends.torch import TransformersRunner
     from prefixflight.backends.torch import _calibrate as cal
     from prefixflight.core import ConfigError
@@ -97,7 +90,7 @@ def test_a_too_small_pool_is_rejected(tiny_model: Any) -> None:
     )
     runner = TransformersRunner.for_model(tiny_model, num_pages=4, page_size=4, device="cpu")
     with pytest.raises(ConfigError, match="pages"):
-        cal.calibrate(runner, _Tokenizer(), config)
+        cal.calibrate(runner, tiny_tokenizer, config)
 
 
 @pytest.mark.parametrize(
