@@ -24,12 +24,14 @@ from prefixflight.core import (
     BurstAffinityRouter,
     BurstConfig,
     BurstRouter,
-    ClusterConfig,
     ReplicaLoad,
+)
+from prefixflight.sim import (
+    ClusterConfig,
     RouterReport,
     Workload,
     grpo_workload,
-    simulate,
+    simulate_cluster,
 )
 
 LENGTHS = ((64, 128), (256, 512), (1024, 2048), (4096, 8192))
@@ -40,13 +42,14 @@ def run_pair(
     wl: Workload, cluster: ClusterConfig, lag_s: float, seed: int
 ) -> tuple[RouterReport, RouterReport]:
     approx = ApproxPrefixConfig(index_lag=lag_s)
-    base = simulate(wl, ApproxPrefixRouter(approx, random.Random(seed)), cluster, name="approx")
+    approx_router = ApproxPrefixRouter(approx, random.Random(seed))
+    base = simulate_cluster(wl, approx_router, cluster, name="approx")
     replicas = [ReplicaLoad(name=n) for n in cluster.replica_names]
     burst = BurstAffinityRouter(
         BurstRouter(BurstConfig(window_ms=100, max_per_replica=-1), replicas),
         ApproxPrefixRouter(approx, random.Random(seed)),
     )
-    return base, simulate(wl, burst, cluster, name="burst+approx")
+    return base, simulate_cluster(wl, burst, cluster, name="burst+approx")
 
 
 def main() -> None:

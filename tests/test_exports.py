@@ -6,7 +6,16 @@ import importlib
 
 import pytest
 
-PACKAGES = ["prefixflight.core", "prefixflight.specs", "prefixflight.cli", "prefixflight.backends"]
+PACKAGES = [
+    "prefixflight.core",
+    "prefixflight.core.cache",
+    "prefixflight.core.flight",
+    "prefixflight.core.routing",
+    "prefixflight.sim",
+    "prefixflight.specs",
+    "prefixflight.cli",
+    "prefixflight.backends",
+]
 TORCH_PACKAGES = ["prefixflight.backends.torch"]  # need the torch extra
 
 

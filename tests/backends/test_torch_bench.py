@@ -17,7 +17,7 @@ pytestmark = pytest.mark.torch
 
 def test_benchmark_pipeline_on_a_tiny_model(tiny_model: Any, tiny_tokenizer: Any) -> None:
     from prefixflight.backends.torch import TransformersRunner
-    from prefixflight.backends.torch import _bench as bench
+    from prefixflight.cli import _bench as bench
 
     config = bench.TTFTBenchConfig(
         repetitions=2,

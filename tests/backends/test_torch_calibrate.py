@@ -17,8 +17,8 @@ pytestmark = pytest.mark.torch
 
 def test_calibration_report_on_a_tiny_model(tiny_model: Any, tiny_tokenizer: Any) -> None:
     from prefixflight.backends.torch import TransformersRunner
-    from prefixflight.backends.torch import _calibrate as cal
-    from prefixflight.core import CostModel
+    from prefixflight.cli import _calibrate as cal
+    from prefixflight.sim import CostModel
 
     config = cal.CalibrationConfig(
         prefill_lengths=(4, 8, 21),
@@ -76,7 +76,7 @@ def test_calibration_report_on_a_tiny_model(tiny_model: Any, tiny_tokenizer: Any
 
 def test_a_too_small_pool_is_rejected(tiny_model: Any, tiny_tokenizer: Any) -> None:
     from prefixflight.backends.torch import TransformersRunner
-    from prefixflight.backends.torch import _calibrate as cal
+    from prefixflight.cli import _calibrate as cal
     from prefixflight.core import ConfigError
 
     config = cal.CalibrationConfig(
@@ -103,7 +103,7 @@ def test_a_too_small_pool_is_rejected(tiny_model: Any, tiny_tokenizer: Any) -> N
     ],
 )
 def test_config_is_validated(kwargs: dict[str, Any], match: str) -> None:
-    from prefixflight.backends.torch import _calibrate as cal
+    from prefixflight.cli import _calibrate as cal
     from prefixflight.core import ConfigError
 
     with pytest.raises(ConfigError, match=match):

@@ -61,7 +61,7 @@ def test_simulate_flight_prints_tables_and_writes_json(
 def test_defaults_are_the_calibrated_model_and_flags_replace_measured_times(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from prefixflight.core import CostModel
+    from prefixflight.sim import CostModel
 
     short = ["simulate", "flight", "--output-tokens", "4", "--late-after-tokens", "2"]
 

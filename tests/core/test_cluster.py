@@ -13,7 +13,6 @@ from prefixflight.core import (
     BurstAffinityRouter,
     BurstConfig,
     BurstRouter,
-    ClusterConfig,
     ConfigError,
     LeastLoadedRouter,
     ReplicaLoad,
@@ -22,9 +21,12 @@ from prefixflight.core import (
     RouteRequest,
     TraceRecord,
     UsageError,
+)
+from prefixflight.sim import (
+    ClusterConfig,
     Workload,
     grpo_workload,
-    simulate,
+    simulate_cluster,
     trace_workload,
 )
 
@@ -63,8 +65,8 @@ def small_grpo(seed: int = 3, **kw: object) -> Workload:
 
 def test_burst_router_colocates_every_group_and_raises_the_hit_rate() -> None:
     wl = small_grpo()
-    base = simulate(wl, baseline(), CLUSTER)
-    ours = simulate(wl, burst(), CLUSTER)
+    base = simulate_cluster(wl, baseline(), CLUSTER)
+    ours = simulate_cluster(wl, burst(), CLUSTER)
     assert ours.groups == base.groups == 18
     assert ours.groups_fully_colocated == 1.0
     assert ours.mean_distinct_replicas == 1.0
@@ -73,10 +75,10 @@ def test_burst_router_colocates_every_group_and_raises_the_hit_rate() -> None:
 
 
 def test_simulation_is_deterministic_for_a_seed() -> None:
-    a = simulate(small_grpo(), burst(), CLUSTER)
-    b = simulate(small_grpo(), burst(), CLUSTER)
+    a = simulate_cluster(small_grpo(), burst(), CLUSTER)
+    b = simulate_cluster(small_grpo(), burst(), CLUSTER)
     assert a == b
-    c = simulate(small_grpo(seed=4), burst(), CLUSTER)
+    c = simulate_cluster(small_grpo(seed=4), burst(), CLUSTER)
     assert c != a
 
 
@@ -88,7 +90,7 @@ def test_hits_follow_the_cache_model_on_one_replica() -> None:
     but never the last prompt token."""
     wl = small_grpo(samples=5)
     one = ClusterConfig(replicas=1)
-    report = simulate(wl, LeastLoadedRouter(), one)
+    report = simulate_cluster(wl, LeastLoadedRouter(), one)
     bs = one.engine_block_size
     expected = 0
     seen: set[int] = set()
@@ -111,18 +113,18 @@ def test_a_lone_request_takes_one_prefill_iteration_then_one_per_token() -> None
         burst_s=0.0,
     )
     cfg = ClusterConfig(replicas=2, prefill_s_per_token=0.001, decode_s_per_step=0.01)
-    report = simulate(wl, LeastLoadedRouter(), cfg)
+    report = simulate_cluster(wl, LeastLoadedRouter(), cfg)
     assert report.mean_step_time == pytest.approx((0.01 + 100 * 0.001) + 6 * 0.01)
 
 
 def test_chained_steps_start_when_the_previous_step_ends() -> None:
-    full = simulate(small_grpo(burst_s=0.0), baseline(), CLUSTER)
+    full = simulate_cluster(small_grpo(burst_s=0.0), baseline(), CLUSTER)
     assert full.makespan == pytest.approx(full.mean_step_time * full.steps)
 
 
 def test_every_request_is_routed_exactly_once() -> None:
     wl = small_grpo()
-    report = simulate(wl, burst(), CLUSTER)
+    report = simulate_cluster(wl, burst(), CLUSTER)
     assert sum(report.requests_per_replica.values()) == report.requests == 144
 
 
@@ -148,9 +150,9 @@ class _Bad:
 def test_simulator_rejects_a_misbehaving_router() -> None:
     wl = small_grpo()
     with pytest.raises(UsageError, match="'nowhere'"):
-        simulate(wl, _Bad("nowhere"), CLUSTER)
+        simulate_cluster(wl, _Bad("nowhere"), CLUSTER)
     with pytest.raises(UsageError, match="twice"):
-        simulate(wl, _Bad(CLUSTER.replica_names[0], twice=True), CLUSTER)
+        simulate_cluster(wl, _Bad(CLUSTER.replica_names[0], twice=True), CLUSTER)
 
 
 @pytest.mark.parametrize(
@@ -177,7 +179,7 @@ def test_workload_generator_names_bad_values() -> None:
 
 def test_workload_block_size_must_match_the_cluster() -> None:
     with pytest.raises(ConfigError, match="engine_block_size"):
-        simulate(small_grpo(), baseline(), attrs.evolve(CLUSTER, engine_block_size=32))
+        simulate_cluster(small_grpo(), baseline(), attrs.evolve(CLUSTER, engine_block_size=32))
 
 
 # -- trace replay with a burst overlay --------------------------------------------------------
@@ -201,7 +203,7 @@ def test_trace_overlay_clones_each_record_within_the_jitter() -> None:
     for r in wl.requests:
         assert r.step * 1.0 <= r.arrival <= r.step * 1.0 + 0.02
     cfg = ClusterConfig(replicas=4, engine_block_size=512)
-    ours = simulate(
+    ours = simulate_cluster(
         wl,
         BurstAffinityRouter(BurstRouter(BurstConfig(block_size_tokens=512), names()), baseline()),
         cfg,
@@ -211,7 +213,7 @@ def test_trace_overlay_clones_each_record_within_the_jitter() -> None:
 
 def test_trace_without_overlay_has_no_groups() -> None:
     wl = trace_workload(records(3), random.Random(0))
-    report = simulate(wl, baseline(), ClusterConfig(engine_block_size=512))
+    report = simulate_cluster(wl, baseline(), ClusterConfig(engine_block_size=512))
     assert report.groups == 0 and report.groups_fully_colocated is None
 
 

@@ -7,7 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import prefixflight.core
+import prefixflight.sim
 
 FORBIDDEN = (
     "torch",
@@ -21,20 +24,24 @@ FORBIDDEN = (
     "tqdm",
 )
 CORE_DIR = Path(prefixflight.core.__file__).parent
+SIM_DIR = Path(prefixflight.sim.__file__).parent
+PURE = ("prefixflight.core", "prefixflight.sim")
 
 
-def test_importing_the_core_loads_nothing_forbidden() -> None:
+@pytest.mark.parametrize("package", PURE)
+def test_importing_the_core_loads_nothing_forbidden(package: str) -> None:
     # attrs itself imports threading (attr._compat keeps a thread-local for reprs), so we
     # measure what the core adds on top of its one dependency.
     code = (
-        "import sys, attrs; before = set(sys.modules); import prefixflight.core;"
+        f"import sys, attrs; before = set(sys.modules); import {package};"
         f"print(sorted(m for m in set(sys.modules) - before if m.split('.')[0] in {FORBIDDEN!r}))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
 
-def test_the_core_source_imports_only_stdlib_and_attrs() -> None:
+@pytest.mark.parametrize("root", [CORE_DIR, SIM_DIR], ids=PURE)
+def test_the_core_source_imports_only_stdlib_and_attrs(root: Path) -> None:
     allowed_stdlib = set(sys.stdlib_module_names) - {
         "asyncio",
         "threading",
@@ -48,7 +55,7 @@ def test_the_core_source_imports_only_stdlib_and_attrs() -> None:
         "pathlib",
         "random",
     }
-    for path in CORE_DIR.glob("*.py"):
+    for path in root.rglob("*.py"):
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
@@ -59,4 +66,5 @@ def test_the_core_source_imports_only_stdlib_and_attrs() -> None:
                 continue
             for name in names:
                 top = name.split(".")[0]
-                assert top in allowed_stdlib or top in ("attrs", "__future__"), (path.name, name)
+                pure = top in allowed_stdlib or top in ("attrs", "__future__")
+                assert pure or name.startswith("prefixflight.core"), (path.name, name)

@@ -6,12 +6,9 @@ import attrs
 import pytest
 
 from prefixflight.core import (
-    Arrival,
     ConfigError,
-    CostModel,
     DecodeWork,
     FlightConfig,
-    FlightSimConfig,
     PrefillWork,
     PublishMode,
     ReleasePolicy,
@@ -19,6 +16,11 @@ from prefixflight.core import (
     SchedulerConfig,
     StepPlan,
     UsageError,
+)
+from prefixflight.sim import (
+    Arrival,
+    CostModel,
+    FlightSimConfig,
     simulate_engine,
     simulate_findings,
     simulate_incremental_publication,

@@ -142,7 +142,8 @@ def backend() -> ModuleType:
     imported before anything else imports torch.
     """
     try:
-        from prefixflight.backends.torch import _bench
+        import prefixflight.backends.torch  # noqa: F401  (before torch: see above)
+        from prefixflight.cli import _bench
     except ImportError as exc:
         raise UsageError(
             f"this command needs the torch backend ({exc}); install it with "
@@ -234,7 +235,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
         raise UsageError(f"--threads must be >= 1, got {args.threads!r}")
     bench = backend()  # sets OMP_WAIT_POLICY before torch loads
     from prefixflight.backends.torch import TransformersRunner, load_smollm2
-    from prefixflight.backends.torch import _calibrate as cal
+    from prefixflight.cli import _calibrate as cal
 
     config = cal.CalibrationConfig(
         prefill_lengths=args.prefill_lengths,

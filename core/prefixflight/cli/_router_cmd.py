@@ -19,15 +19,17 @@ from prefixflight.core import (
     BurstAffinityRouter,
     BurstConfig,
     BurstRouter,
-    ClusterConfig,
     LeastLoadedRouter,
     ReplicaLoad,
     Router,
-    RouterReport,
     UsageError,
+)
+from prefixflight.sim import (
+    ClusterConfig,
+    RouterReport,
     Workload,
     grpo_workload,
-    simulate,
+    simulate_cluster,
     trace_workload,
 )
 
@@ -276,8 +278,8 @@ def run_router(args: argparse.Namespace) -> int:
     base_router, burst_router = build_routers(
         args.baseline, cluster, burst_config, approx, args.seed
     )
-    base = simulate(workload, base_router, cluster, name=args.baseline)
-    burst = simulate(workload, burst_router, cluster, name=f"burst+{args.baseline}")
+    base = simulate_cluster(workload, base_router, cluster, name=args.baseline)
+    burst = simulate_cluster(workload, burst_router, cluster, name=f"burst+{args.baseline}")
     if workload.description.get("kind") == "grpo":
         print(format_table(base, burst, "G-sample groups", "step time"))
     else:  # a trace's "step" is one record and its clones

@@ -11,11 +11,13 @@ from pathlib import Path
 
 from prefixflight.core import (
     ConfigError,
+    UsageError,
+)
+from prefixflight.sim import (
     CostModel,
     FindingsRow,
     FlightRow,
     FlightSimConfig,
-    UsageError,
     simulate_findings,
     simulate_incremental_publication,
     simulate_late_arrival,

@@ -1,39 +1,51 @@
-"""prefixflight's pure core: standard library and attrs only.
+"""prefixflight's pure core: the components an engine embeds. Standard library and attrs only.
 
 No I/O, no threads, no clocks: time is a value carried by events. Everything here is
-deterministic and safe to embed in any engine.
+deterministic and safe to embed in any engine. Grouped by capability:
+
+- `prefixflight.core.cache`: block hashing, eviction policies, the prefix cache, trace replay
+  and LRU curves;
+- `prefixflight.core.flight`: the single-flight coordinator, the scheduler and its step plans;
+- `prefixflight.core.routing`: the burst router, its baselines and the router protocol.
+
+Every public name of the three is importable from `prefixflight.core` directly. Simulations
+and experiments live in `prefixflight.sim`.
 """
 
-from ._baselines import (
-    ApproxPrefixConfig,
-    ApproxPrefixRouter,
-    BurstAffinityRouter,
-    LeastLoadedRouter,
-)
-from ._cache import (
+from ._errors import CapacityError, ConfigError, PrefixflightError, TraceFormatError, UsageError
+from .cache import (
+    LRU,
+    S3FIFO,
     AllBlocksCleared,
+    BlockHash,
+    BlockHasher,
     BlockRemoved,
     BlockStored,
     CacheStats,
+    CurvePoint,
     EventSink,
+    EvictionPolicy,
+    HashAlgorithm,
     KVEvent,
+    LRUCurve,
+    PolicyName,
     PrefixCache,
+    ReplayConfig,
+    ReplayReport,
+    RequestResult,
+    TraceReader,
+    TraceRecord,
+    auto_capacities,
+    lru_curve,
+    parse_trace_line,
+    replay,
 )
-from ._cluster import (
-    ClusterConfig,
-    RouterReport,
-    SimRequest,
-    Workload,
-    grpo_workload,
-    simulate,
-    trace_workload,
-)
-from ._curves import CurvePoint, LRUCurve, auto_capacities, lru_curve
-from ._errors import CapacityError, ConfigError, PrefixflightError, TraceFormatError, UsageError
-from ._flight import (
+from .flight import (
     Aborted,
     Arrived,
+    DecodeWork,
     Finished,
+    FinishReason,
     FlightConfig,
     FlightCoordinator,
     FlightDecision,
@@ -42,44 +54,17 @@ from ._flight import (
     FlightStats,
     Independent,
     Lead,
+    PageUsage,
     Placement,
     PrefillDone,
+    PrefillWork,
     Progress,
     Promote,
+    PublishMode,
     Release,
     ReleasePolicy,
     ReleaseReason,
-    Tick,
-    Wait,
-)
-from ._flight_sim import (
-    FindingsRow,
-    FlightRow,
-    FlightSimConfig,
-    simulate_findings,
-    simulate_incremental_publication,
-    simulate_late_arrival,
-    simulate_partial_prefix,
-    simulate_single_flight,
-)
-from ._hashing import BlockHash, BlockHasher, HashAlgorithm
-from ._plan import DecodeWork, PrefillWork, RequestId, StepPlan, StepResult
-from ._policies import LRU, S3FIFO, EvictionPolicy
-from ._replay import PolicyName, ReplayConfig, ReplayReport, RequestResult, replay
-from ._router import (
-    Assignment,
-    BalanceBy,
-    BurstConfig,
-    BurstRouter,
-    NoAffinity,
-    Placed,
-    assign_batch,
-)
-from ._routing import ReplicaLoad, Rng, Routed, Router, RouteRequest
-from ._scheduler import (
-    FinishReason,
-    PageUsage,
-    PublishMode,
+    RequestId,
     RequestReport,
     RequestState,
     Role,
@@ -87,9 +72,29 @@ from ._scheduler import (
     SchedulerConfig,
     SchedulerStats,
     StepOutcome,
+    StepPlan,
+    StepResult,
+    Tick,
+    Wait,
 )
-from ._simulate import Arrival, CostModel, SimulationResult, simulate_engine
-from ._trace import TraceReader, TraceRecord, parse_trace_line
+from .routing import (
+    ApproxPrefixConfig,
+    ApproxPrefixRouter,
+    Assignment,
+    BalanceBy,
+    BurstAffinityRouter,
+    BurstConfig,
+    BurstRouter,
+    LeastLoadedRouter,
+    NoAffinity,
+    Placed,
+    ReplicaLoad,
+    Rng,
+    Routed,
+    Router,
+    RouteRequest,
+    assign_batch,
+)
 
 __all__ = [
     "LRU",
@@ -98,7 +103,6 @@ __all__ = [
     "AllBlocksCleared",
     "ApproxPrefixConfig",
     "ApproxPrefixRouter",
-    "Arrival",
     "Arrived",
     "Assignment",
     "BalanceBy",
@@ -111,14 +115,11 @@ __all__ = [
     "BurstRouter",
     "CacheStats",
     "CapacityError",
-    "ClusterConfig",
     "ConfigError",
-    "CostModel",
     "CurvePoint",
     "DecodeWork",
     "EventSink",
     "EvictionPolicy",
-    "FindingsRow",
     "FinishReason",
     "Finished",
     "FlightConfig",
@@ -126,8 +127,6 @@ __all__ = [
     "FlightDecision",
     "FlightEvent",
     "FlightKey",
-    "FlightRow",
-    "FlightSimConfig",
     "FlightStats",
     "HashAlgorithm",
     "Independent",
@@ -162,12 +161,9 @@ __all__ = [
     "RouteRequest",
     "Routed",
     "Router",
-    "RouterReport",
     "Scheduler",
     "SchedulerConfig",
     "SchedulerStats",
-    "SimRequest",
-    "SimulationResult",
     "StepOutcome",
     "StepPlan",
     "StepResult",
@@ -177,19 +173,9 @@ __all__ = [
     "TraceRecord",
     "UsageError",
     "Wait",
-    "Workload",
     "assign_batch",
     "auto_capacities",
-    "grpo_workload",
     "lru_curve",
     "parse_trace_line",
     "replay",
-    "simulate",
-    "simulate_engine",
-    "simulate_findings",
-    "simulate_incremental_publication",
-    "simulate_late_arrival",
-    "simulate_partial_prefix",
-    "simulate_single_flight",
-    "trace_workload",
 ]

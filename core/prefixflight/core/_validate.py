@@ -1,30 +1,136 @@
-"""Small shared validators: every rejected value is named in the message."""
+"""The one validation layer: every component checks its inputs with these, so one rule has
+one place (a time is finite everywhere, a token id is an int64 everywhere).
+
+Plain checks (``check_*``) return the value or raise with the offending value named; the
+``*_field`` factories wrap them as attrs validators for config and event classes.
+"""
 
 from __future__ import annotations
 
-from typing import NoReturn
+import math
+from collections.abc import Callable, Iterable
+from typing import Any, NoReturn, TypeVar
 
-from ._errors import ConfigError
+from ._errors import ConfigError, UsageError
 
-__all__ = ["assert_never", "check_int", "check_ratio"]
+__all__ = [
+    "INT64_MAX",
+    "INT64_MIN",
+    "assert_never",
+    "check_int",
+    "check_ratio",
+    "check_request_id",
+    "check_time",
+    "check_token_ids",
+    "int_field",
+    "ratio_field",
+    "time_field",
+]
+
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+
+_E = TypeVar("_E", bound=UsageError)
+Validator = Callable[[Any, Any, Any], None]
 
 
-def check_int(name: str, value: object, *, minimum: int | None = None) -> int:
-    """Return ``value`` if it is an int (not a bool) and at least ``minimum``."""
+def check_int(
+    name: str,
+    value: object,
+    *,
+    minimum: int | None = None,
+    maximum: int | None = None,
+    error: type[UsageError] = ConfigError,
+) -> int:
+    """``value`` if it is an int (not a bool) within ``[minimum, maximum]``."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name} must be an int, got {value!r}")
+        raise error(f"{name} must be an int, got {value!r}")
     if minimum is not None and value < minimum:
-        raise ConfigError(f"{name} must be >= {minimum}, got {value!r}")
+        raise error(f"{name} must be >= {minimum}, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise error(f"{name} must be <= {maximum}, got {value!r}")
     return value
 
 
-def check_ratio(name: str, value: object) -> float:
-    """Return ``value`` as a float if it is a real number within [0, 1]."""
+def check_ratio(name: str, value: object, *, error: type[UsageError] = ConfigError) -> float:
+    """``value`` as a float if it is a real number within [0, 1]."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{name} must be a number in [0, 1], got {value!r}")
+        raise error(f"{name} must be a number in [0, 1], got {value!r}")
     if not 0.0 <= value <= 1.0:  # also rejects NaN
-        raise ConfigError(f"{name} must be in [0, 1], got {value!r}")
+        raise error(f"{name} must be in [0, 1], got {value!r}")
     return float(value)
+
+
+def check_time(
+    name: str, value: object, *, after: float | None = None, error: type[UsageError] = UsageError
+) -> float:
+    """``value`` as a float if it is a finite real number (seconds), not before ``after``.
+
+    Every component takes time as a value; NaN or infinity would poison every later
+    comparison ("time went backwards" forever, NaN statistics), so they are rejected here.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise error(f"{name} must be a finite number of seconds, got {value!r}")
+    if after is not None and value < after:
+        raise error(f"time went backwards: {name}={value!r} is before {after!r}")
+    return float(value)
+
+
+def check_request_id(name: str, value: object) -> None:
+    """Request ids are the host's ints or strs (hashable, comparable for reports)."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise UsageError(f"{name} must be an int or a str, got {value!r}")
+
+
+def check_token_ids(
+    name: str, tokens: Iterable[object], *, vocab_size: int | None = None
+) -> tuple[int, ...]:
+    """The token ids as a tuple of ints in the int64 range (and below ``vocab_size``).
+
+    Materialises ``tokens`` once, so a one-shot iterator is checked and kept, not consumed.
+    """
+    if isinstance(tokens, (str, bytes)):
+        raise UsageError(f"{name} must be a sequence of token ids, got {tokens!r}")
+    try:
+        out = tuple(tokens)
+    except TypeError:
+        raise UsageError(f"{name} must be a sequence of token ids, got {tokens!r}") from None
+    hi = INT64_MAX if vocab_size is None else vocab_size - 1
+    lo = INT64_MIN if vocab_size is None else 0
+    for i, t in enumerate(out):
+        if isinstance(t, bool) or not isinstance(t, int) or not lo <= t <= hi:
+            where = "int64" if vocab_size is None else f"vocabulary [0, {vocab_size})"
+            raise UsageError(f"{name}[{i}] = {t!r} is not a token id in the {where} range")
+    return out  # type: ignore[return-value]  # every item was checked to be an int
+
+
+def int_field(
+    minimum: int | None = None, *, maximum: int | None = None, error: type[UsageError] = ConfigError
+) -> Validator:
+    """An attrs validator: `check_int` under the attribute's name."""
+
+    def check(_inst: object, attribute: Any, value: object) -> None:
+        check_int(attribute.name, value, minimum=minimum, maximum=maximum, error=error)
+
+    return check
+
+
+def ratio_field(error: type[UsageError] = ConfigError) -> Validator:
+    """An attrs validator: `check_ratio` under the attribute's name."""
+
+    def check(_inst: object, attribute: Any, value: object) -> None:
+        check_ratio(attribute.name, value, error=error)
+
+    return check
+
+
+def time_field(error: type[UsageError] = UsageError) -> Validator:
+    """An attrs validator: `check_time` under the attribute's name."""
+
+    def check(_inst: object, attribute: Any, value: object) -> None:
+        check_time(attribute.name, value, error=error)
+
+    return check
 
 
 def assert_never(value: NoReturn) -> NoReturn:

@@ -14,10 +14,10 @@ from typing import TypeAlias, final
 
 import attrs
 
-from ._errors import CapacityError, UsageError
+from .._errors import CapacityError, UsageError
+from .._validate import check_int
 from ._hashing import BlockHash
 from ._policies import EvictionPolicy
-from ._validate import check_int
 
 __all__ = [
     "AllBlocksCleared",

@@ -26,11 +26,13 @@ from typing import Any
 import attrs
 import torch
 
+from prefixflight.backends.torch import (
+    AsyncEngine,
+    EngineConfig,
+    SamplingParams,
+    TransformersRunner,
+)
 from prefixflight.core import ConfigError, ReleasePolicy, RequestReport
-
-from ._engine import AsyncEngine, EngineConfig
-from ._runner import TransformersRunner
-from ._sampling import SamplingParams
 
 __all__ = ["BenchRun", "TTFTBenchConfig", "format_tables", "plan_runs", "run_one", "summarize"]
 

@@ -8,11 +8,11 @@ from typing import Any, Literal, TypeAlias
 
 import attrs
 
+from .._errors import ConfigError
+from .._validate import check_int, check_ratio
 from ._cache import EventSink, PrefixCache
-from ._errors import ConfigError
 from ._policies import LRU, S3FIFO, EvictionPolicy
 from ._trace import TraceReader, TraceRecord
-from ._validate import check_int, check_ratio
 
 __all__ = ["PolicyName", "ReplayConfig", "ReplayReport", "RequestResult", "replay"]
 

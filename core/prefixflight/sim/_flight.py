@@ -12,9 +12,9 @@ from typing import Any
 
 import attrs
 
-from ._flight import FlightConfig, ReleasePolicy
-from ._scheduler import PublishMode, SchedulerConfig
-from ._simulate import Arrival, CostModel, SimulationResult, simulate_engine
+from prefixflight.core import FlightConfig, PublishMode, ReleasePolicy, SchedulerConfig
+
+from ._engine import Arrival, CostModel, SimulationResult, simulate_engine
 
 __all__ = [
     "FindingsRow",

@@ -32,12 +32,23 @@ from collections.abc import Iterable
 
 import attrs
 
-from ._cache import PrefixCache
-from ._errors import ConfigError, UsageError
-from ._flight import FlightConfig, FlightCoordinator, FlightStats
-from ._plan import RequestId, StepPlan, StepResult
-from ._policies import LRU
-from ._scheduler import RequestReport, Role, Scheduler, SchedulerConfig, SchedulerStats
+from prefixflight.core import (
+    LRU,
+    ConfigError,
+    FlightConfig,
+    FlightCoordinator,
+    FlightStats,
+    PrefixCache,
+    RequestId,
+    RequestReport,
+    Role,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerStats,
+    StepPlan,
+    StepResult,
+    UsageError,
+)
 
 __all__ = ["Arrival", "CostModel", "SimulationResult", "simulate_engine"]
 

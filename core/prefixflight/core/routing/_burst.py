@@ -27,10 +27,10 @@ from typing import Literal, TypeAlias, final
 
 import attrs
 
-from ._errors import ConfigError, UsageError
-from ._hashing import BlockHash, BlockHasher
-from ._plan import RequestId
-from ._routing import ReplicaLoad, RouteRequest, check_now, check_replicas
+from .._errors import ConfigError, UsageError
+from ..cache._hashing import BlockHash, BlockHasher
+from ..flight._plan import RequestId
+from ._protocol import ReplicaLoad, RouteRequest, check_now, check_replicas
 
 __all__ = [
     "Assignment",

@@ -22,10 +22,10 @@ from typing import TypeAlias, final
 
 import attrs
 
-from ._errors import ConfigError, UsageError
-from ._hashing import BlockHash
+from .._errors import ConfigError, UsageError
+from .._validate import assert_never, check_int
+from ..cache._hashing import BlockHash
 from ._plan import RequestId
-from ._validate import assert_never, check_int
 
 __all__ = [
     "Aborted",

@@ -25,10 +25,18 @@ from typing import Any
 import attrs
 import torch
 
-from prefixflight.core import ConfigError, CostModel, DecodeWork, PrefillWork, StepPlan
+from prefixflight.backends.torch import TransformersRunner
+from prefixflight.core import (
+    ConfigError,
+    DecodeWork,
+    PrefillWork,
+    StepPlan,
+)
+from prefixflight.sim import (
+    CostModel,
+)
 
 from ._bench import document_tokens
-from ._runner import TransformersRunner
 
 __all__ = ["CalibrationConfig", "calibrate", "describe", "format_report", "num_pages"]
 

@@ -12,9 +12,9 @@ from collections import OrderedDict, deque
 from collections.abc import Container, Iterable, Mapping, Sequence
 from typing import Protocol, final
 
-from ._errors import CapacityError, UsageError
+from .._errors import CapacityError, UsageError
+from .._validate import check_int, check_ratio
 from ._hashing import BlockHash
-from ._validate import check_int, check_ratio
 
 __all__ = ["LRU", "S3FIFO", "EvictionPolicy"]
 
@@ -219,7 +219,7 @@ class S3FIFO(_Residency):
         check_int("max_freq", max_freq, minimum=0)
         check_int("ghost_admit_freq", ghost_admit_freq, minimum=0)
         if ghost_admit_freq > max_freq:
-            from ._errors import ConfigError
+            from .._errors import ConfigError
 
             raise ConfigError(
                 f"ghost_admit_freq must be <= max_freq ({max_freq}), got {ghost_admit_freq!r}"

@@ -35,13 +35,21 @@ from typing import Any, final
 
 import attrs
 
-from ._cache import PrefixCache
-from ._errors import ConfigError, UsageError
-from ._hashing import BlockHash, BlockHasher
-from ._plan import RequestId
-from ._policies import LRU
-from ._routing import ReplicaLoad, Rng, Routed, Router, RouteRequest
-from ._trace import TraceRecord
+from prefixflight.core import (
+    LRU,
+    BlockHash,
+    BlockHasher,
+    ConfigError,
+    PrefixCache,
+    ReplicaLoad,
+    RequestId,
+    Rng,
+    Routed,
+    Router,
+    RouteRequest,
+    TraceRecord,
+    UsageError,
+)
 
 __all__ = [
     "ClusterConfig",
@@ -49,7 +57,7 @@ __all__ = [
     "SimRequest",
     "Workload",
     "grpo_workload",
-    "simulate",
+    "simulate_cluster",
     "trace_workload",
 ]
 
@@ -401,7 +409,7 @@ class _Replica:
 _FINISH, _TICK, _ARRIVE = 0, 1, 2  # order of simultaneous events
 
 
-def simulate(
+def simulate_cluster(
     workload: Workload, router: Router, config: ClusterConfig, *, name: str = "router"
 ) -> RouterReport:
     """Run ``workload`` through ``router`` on the cluster and measure it."""

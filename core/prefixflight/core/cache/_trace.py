@@ -13,7 +13,7 @@ from typing import final
 
 import attrs
 
-from ._errors import TraceFormatError
+from .._errors import TraceFormatError
 
 __all__ = ["TraceReader", "TraceRecord", "parse_trace_line"]
 

@@ -14,9 +14,9 @@ from typing import Protocol
 
 import attrs
 
-from ._errors import UsageError
-from ._hashing import BlockHash
-from ._plan import RequestId
+from .._errors import UsageError
+from ..cache._hashing import BlockHash
+from ..flight._plan import RequestId
 
 __all__ = [
     "ReplicaLoad",

@@ -31,10 +31,10 @@ from typing import Any, final
 
 import attrs
 
-from ._errors import ConfigError, UsageError
+from .._errors import ConfigError, UsageError
+from .._validate import check_int
 from ._hashing import BlockHash
 from ._trace import TraceRecord
-from ._validate import check_int
 
 __all__ = ["CurvePoint", "LRUCurve", "auto_capacities", "lru_curve"]
 

@@ -19,7 +19,7 @@ from typing import Final, Literal, TypeAlias, final
 
 import attrs
 
-from ._validate import check_int
+from .._validate import check_int
 
 __all__ = ["BlockHash", "BlockHasher", "HashAlgorithm"]
 
@@ -39,7 +39,7 @@ def _token_bytes(token_ids: Sequence[int]) -> bytes:
     try:
         buf = array("q", token_ids)
     except (TypeError, OverflowError) as exc:
-        from ._errors import UsageError
+        from .._errors import UsageError
 
         raise UsageError(f"token ids must be ints in the int64 range: {exc}") from None
     if _SWAP:  # pragma: no cover - big-endian hosts only
@@ -78,14 +78,14 @@ class BlockHasher:
     @namespace.validator
     def _check_namespace(self, _a: object, value: object) -> None:
         if not isinstance(value, (str, bytes)):
-            from ._errors import ConfigError
+            from .._errors import ConfigError
 
             raise ConfigError(f"namespace must be str or bytes, got {value!r}")
 
     @algorithm.validator
     def _check_algorithm(self, _a: object, value: object) -> None:
         if value not in ("sha256", "crc64"):
-            from ._errors import ConfigError
+            from .._errors import ConfigError
 
             raise ConfigError(f"algorithm must be 'sha256' or 'crc64', got {value!r}")
 
@@ -138,7 +138,7 @@ class BlockHasher:
     @staticmethod
     def _parent_bytes(parent: BlockHash) -> bytes:
         if not isinstance(parent, bytes) or len(parent) != 32:
-            from ._errors import UsageError
+            from .._errors import UsageError
 
             raise UsageError(f"parent must be a 32-byte sha256 block hash, got {parent!r}")
         return parent
@@ -146,7 +146,7 @@ class BlockHasher:
     @staticmethod
     def _parent_int(parent: BlockHash) -> int:
         if isinstance(parent, bool) or not isinstance(parent, int) or not 0 <= parent < 2**64:
-            from ._errors import UsageError
+            from .._errors import UsageError
 
             raise UsageError(f"parent must be a 64-bit crc64 block hash, got {parent!r}")
         return parent

@@ -38,9 +38,12 @@ from typing import final
 
 import attrs
 
-from ._cache import PrefixCache
-from ._errors import CapacityError, ConfigError, UsageError
-from ._flight import (
+from .._errors import CapacityError, ConfigError, UsageError
+from .._validate import assert_never, check_int
+from ..cache._cache import PrefixCache
+from ..cache._hashing import BlockHash, BlockHasher
+from ..cache._policies import LRU
+from ._coordinator import (
     Aborted,
     Arrived,
     Finished,
@@ -58,10 +61,7 @@ from ._flight import (
     Tick,
     Wait,
 )
-from ._hashing import BlockHash, BlockHasher
 from ._plan import DecodeWork, PrefillWork, RequestId, StepPlan, StepResult
-from ._policies import LRU
-from ._validate import assert_never, check_int
 
 __all__ = [
     "FinishReason",

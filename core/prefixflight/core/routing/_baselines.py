@@ -24,12 +24,13 @@ from typing import final
 
 import attrs
 
-from ._errors import ConfigError, UsageError
-from ._hashing import BlockHash
-from ._plan import RequestId
-from ._policies import LRU
-from ._router import BurstRouter, NoAffinity, Placed
-from ._routing import (
+from .._errors import ConfigError, UsageError
+from .._validate import assert_never
+from ..cache._hashing import BlockHash
+from ..cache._policies import LRU
+from ..flight._plan import RequestId
+from ._burst import BurstRouter, NoAffinity, Placed
+from ._protocol import (
     ReplicaLoad,
     Rng,
     Routed,
@@ -38,7 +39,6 @@ from ._routing import (
     check_now,
     check_replicas,
 )
-from ._validate import assert_never
 
 __all__ = ["ApproxPrefixConfig", "ApproxPrefixRouter", "BurstAffinityRouter", "LeastLoadedRouter"]
 
