@@ -75,7 +75,7 @@ from ._router import (
     Placed,
     assign_batch,
 )
-from ._routing import ReplicaLoad, Rng, Routed, Router, RouteRequest
+from ._routing import PrefixIndex, ReplicaLoad, Rng, Routed, Router, RouteRequest
 from ._scheduler import (
     FinishReason,
     PageUsage,
@@ -143,6 +143,7 @@ __all__ = [
     "PrefillDone",
     "PrefillWork",
     "PrefixCache",
+    "PrefixIndex",
     "PrefixflightError",
     "Progress",
     "Promote",
