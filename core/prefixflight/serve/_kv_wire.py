@@ -13,9 +13,10 @@ encodings exist in the wild and both decode here:
   itself may be positional (as captured from vLLM 0.26) or a map (as the struct is declared
   at 0181ea31).
 
-Trailing fields that vLLM declares with defaults are omitted when at their default
-(``omit_defaults=True``), so a decoder takes any length from the required fields up and
-ignores fields it does not know. No sockets here: `prefixflight.serve.kv_events` moves the
+vLLM's structs use ``omit_defaults=True``, which drops defaulted fields from a map but not
+from an array (an ``array_like`` struct always carries every field its version declares),
+and every vLLM release appended fields, so a decoder takes any length from the required
+fields up and ignores fields it does not know. No sockets here: `prefixflight.serve.kv_events` moves the
 bytes.
 """
 
@@ -149,12 +150,16 @@ class WireAllBlocksCleared:
 WireEvent: TypeAlias = WireBlockStored | WireBlockRemoved | WireAllBlocksCleared
 
 
+def _events(value: Sequence[WireEvent]) -> tuple[WireEvent, ...]:
+    return tuple(value)
+
+
 @attrs.frozen(kw_only=True)
 class WireBatch:
     """vLLM's ``EventBatch``: the events of one engine step, in order."""
 
     ts: float
-    events: tuple[WireEvent, ...]
+    events: tuple[WireEvent, ...] = attrs.field(converter=_events)
     data_parallel_rank: int | None = None
 
 
@@ -176,6 +181,8 @@ def _event_fields(event: WireEvent) -> tuple[str, list[tuple[str, object, bool]]
             ("lora_name", event.lora_name, False),
             ("extra_keys", None, True),
             ("group_idx", event.group_idx, True),
+            ("kv_cache_spec_kind", None, True),
+            ("kv_cache_spec_sliding_window", None, True),
         ]
     if isinstance(event, WireBlockRemoved):
         return "BlockRemoved", [
@@ -188,19 +195,15 @@ def _event_fields(event: WireEvent) -> tuple[str, list[tuple[str, object, bool]]
 
 def _encode_event(event: WireEvent, encoding: WireEncoding) -> object:
     tag, fields = _event_fields(event)
-    # msgspec's omit_defaults drops a defaulted field left at its default (None here); in
-    # the positional form only a trailing run can go, so keep every field up to the last
-    # one that must stay.
+    # msgspec's omit_defaults drops a field left at its default (None here) from a map; an
+    # array_like struct always carries every field.
     if encoding == "map":
         out: dict[str, object] = {"type": tag}
         for name, value, has_default in fields:
             if not (has_default and value is None):
                 out[name] = value
         return out
-    keep = len(fields)
-    while keep and fields[keep - 1][2] and fields[keep - 1][1] is None:
-        keep -= 1
-    return [tag, *(value for _, value, _ in fields[:keep])]
+    return [tag, *(value for _, value, _ in fields)]
 
 
 def encode_batch(batch: WireBatch, *, encoding: WireEncoding = "array") -> bytes:
@@ -208,10 +211,7 @@ def encode_batch(batch: WireBatch, *, encoding: WireEncoding = "array") -> bytes
     if encoding not in ("array", "map"):
         raise UsageError(f"encoding must be 'array' or 'map', got {encoding!r}")
     events = [_encode_event(e, encoding) for e in batch.events]
-    body: list[object] = [float(batch.ts), events]
-    if batch.data_parallel_rank is not None:
-        body.append(batch.data_parallel_rank)
-    return _encoder.encode(body)
+    return _encoder.encode([float(batch.ts), events, batch.data_parallel_rank])
 
 
 # -- decoding ---------------------------------------------------------------------------------
@@ -228,6 +228,8 @@ _STORED_ORDER: Final = (
     "lora_name",
     "extra_keys",
     "group_idx",
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
 )
 _REMOVED_ORDER: Final = ("block_hashes", "medium", "group_idx")
 _REQUIRED: Final = {"BlockStored": 4, "BlockRemoved": 1, "AllBlocksCleared": 0}
