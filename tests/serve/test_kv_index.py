@@ -33,9 +33,15 @@ from prefixflight.serve.kv_events import (
 BS = 4
 
 
-def _stored(hashes: list[int], parent: int | None, tokens: list[int], **kw: object) -> WireBlockStored:
+def _stored(
+    hashes: list[int], parent: int | None, tokens: list[int], medium: str | None = None
+) -> WireBlockStored:
     return WireBlockStored(
-        block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=BS, **kw
+        block_hashes=hashes,
+        parent_block_hash=parent,
+        token_ids=tokens,
+        block_size=BS,
+        medium=medium,
     )
 
 
@@ -103,7 +109,7 @@ def test_a_child_of_an_evicted_parent_is_keyed_through_the_ghosts() -> None:
     no_ghosts.apply(WireBlockRemoved(block_hashes=[500]))
     no_ghosts.apply(_stored([501], 500, toks[4:]))
     assert len(no_ghosts) == 0 and no_ghosts.stats.unresolved == 1
-    assert fold_hash(k0) not in idx.keys()
+    assert k0 not in idx
 
 
 @pytest.mark.parametrize(

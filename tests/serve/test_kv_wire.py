@@ -273,7 +273,9 @@ def test_trailing_fields_vllm_added_later_are_accepted_and_ignored() -> None:
     )
     for payload in (
         msgspec.msgpack.encode(PositionalBatch(ts=1.0, events=[stored])),
-        msgspec.msgpack.encode(NamedBatch(ts=1.0, events=[NamedStored(**msgspec.structs.asdict(stored))])),
+        msgspec.msgpack.encode(
+            NamedBatch(ts=1.0, events=[NamedStored(**msgspec.structs.asdict(stored))])
+        ),
     ):
         (event,) = decode_batch(payload).events
         assert event == WireBlockStored(

@@ -16,8 +16,8 @@ encodings exist in the wild and both decode here:
 vLLM's structs use ``omit_defaults=True``, which drops defaulted fields from a map but not
 from an array (an ``array_like`` struct always carries every field its version declares),
 and every vLLM release appended fields, so a decoder takes any length from the required
-fields up and ignores fields it does not know. No sockets here: `prefixflight.serve.kv_events` moves the
-bytes.
+fields up and ignores fields it does not know. No sockets here:
+`prefixflight.serve.kv_events` moves the bytes.
 """
 
 from __future__ import annotations
