@@ -19,9 +19,16 @@ from prefixflight.core import (
     LRU,
     S3FIFO,
     AllBlocksCleared,
+    ApproxPrefixRouter,
     BlockHash,
     BlockHasher,
+    BlockRemoved,
+    BlockStored,
+    ConfigError,
     PrefixCache,
+    ReplicaLoad,
+    RouteRequest,
+    UsageError,
 )
 from prefixflight.serve.kv_events import (
     KVEventPublisher,
@@ -31,6 +38,7 @@ from prefixflight.serve.kv_events import (
     decode_batch,
     fold_hash,
     kv_topic,
+    offset_endpoint,
 )
 
 BS = 4
@@ -63,14 +71,7 @@ def _wait(
 def _sync(sub: KVEventSubscriber, pub: KVEventPublisher, replica: str) -> None:
     """Wait until ``sub`` applied every batch ``pub`` has sent."""
     assert pub.drain(10.0)
-    target = pub.next_seq
-    feed = sub.feeds[replica]
-
-    def step() -> None:
-        if sub.poll(0.05) == 0:
-            sub.catch_up(replica)  # a late joiner learns what it missed only by asking
-
-    _wait(lambda: feed.next_seq >= target, step, f"{replica} to reach seq {target}")
+    assert sub.wait_for_seq(replica, pub.next_seq, 10.0), f"{replica} never caught up"
 
 
 def test_frames_are_topic_seq_and_a_vllm_batch() -> None:
@@ -112,10 +113,17 @@ def test_frames_are_topic_seq_and_a_vllm_batch() -> None:
     assert stored[0].token_ids == tuple(toks) and stored[0].medium == "GPU"
 
 
-def test_a_late_subscriber_recovers_through_the_replay_socket() -> None:
+@pytest.mark.parametrize(
+    ("encoding", "hash_encoding"), [("array", "int"), ("map", "bytes"), ("map", "int")]
+)
+def test_a_late_subscriber_recovers_through_the_replay_socket(
+    encoding: str, hash_encoding: str
+) -> None:
     hasher = BlockHasher(block_size=BS)
     prompts = [[i] * (2 * BS) for i in range(5)]
-    with _publisher(topic=kv_topic("p", "m")) as pub:
+    with _publisher(
+        topic=kv_topic("p", "m"), encoding=encoding, hash_encoding=hash_encoding
+    ) as pub:
         cache = PrefixCache(LRU(64), block_size=BS, event_sink=pub)
         for p in prompts:  # five batches before anyone listens
             cache.publish(hasher.hash_tokens(p), token_ids=p)
@@ -162,6 +170,7 @@ def test_a_seq_gap_is_filled_by_replay(replay: bool) -> None:
                 sub.poll(0.05)
 
             _wait(lambda: sub.feeds["r"].next_seq > 0, warm_up, "the first live batch")
+            assert pub.drain(10.0)  # every warm-up batch numbered: prompts start at base
             base = pub.next_seq
             lost_before = sub.feeds["r"].lost  # slow-joiner losses, without replay
             sub.drop = {base + 1, base + 2}
@@ -182,6 +191,111 @@ def test_a_seq_gap_is_filled_by_replay(replay: bool) -> None:
                 assert not dropped & keys and sub.feeds["r"].lost - lost_before == 2
         finally:
             sub.close()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"endpoint": "nowhere"}, "'nowhere'"),
+        ({"replay_endpoint": 5}, "5"),
+        ({"medium": "TPU"}, "'TPU'"),
+        ({"buffer_steps": 0}, "buffer_steps"),
+        ({"hash_encoding": "hex"}, "'hex'"),
+        ({"encoding": "json"}, "'json'"),
+        ({"max_delay_s": 0}, "max_delay_s"),
+        ({"data_parallel_rank": -1}, "-1"),
+        ({"endpoint": "tcp://127.0.0.1:*", "data_parallel_rank": 1}, "data_parallel_rank 1"),
+    ],
+)
+def test_bad_publisher_settings_are_named(kwargs: dict[str, object], named: str) -> None:
+    args: dict[str, object] = {"endpoint": LOOPBACK, **kwargs}
+    with pytest.raises(ConfigError, match=named.replace("*", r"\*")):
+        KVEventPublisher(**args)  # type: ignore[arg-type]
+
+
+def test_endpoints_are_offset_by_data_parallel_rank_as_vllm_does() -> None:
+    assert offset_endpoint("tcp://*:5557", 0) == "tcp://*:5557"
+    assert offset_endpoint("tcp://*:5557", 2) == "tcp://*:5559"
+    assert offset_endpoint("ipc:///tmp/kv", 1) == "ipc:///tmp/kv_dp1"
+
+
+def test_a_data_parallel_rank_publishes_on_its_own_endpoint(tmp_path: object) -> None:
+    base = f"ipc://{tmp_path}/kv"
+    with KVEventPublisher(base, data_parallel_rank=3, replay_endpoint=f"{base}-replay") as pub:
+        assert pub.endpoint.endswith("/kv_dp3") and str(pub.replay_endpoint).endswith("_dp3")
+        with KVEventSubscriber({"r": _address(pub)}) as sub:
+            pub(AllBlocksCleared())
+            _sync(sub, pub, "r")
+            assert sub.index.replica("r").stats.cleared == 1
+
+
+def test_events_go_out_without_flush_by_time_and_by_size() -> None:
+    hasher = BlockHasher(block_size=BS)
+    toks = list(range(2 * BS))
+    for settings_, name in (({"max_delay_s": 0.02}, "time"), ({"max_batch_events": 2}, "size")):
+        kw: dict[str, object] = {"max_delay_s": 3600.0, **settings_}
+        with _publisher(**kw) as pub, KVEventSubscriber({"r": _address(pub)}) as sub:
+            PrefixCache(LRU(8), block_size=BS, event_sink=pub).publish(
+                hasher.hash_tokens(toks), token_ids=toks
+            )
+            assert sub.wait_for_seq("r", 1, 10.0), name  # no flush, no drain
+            assert len(sub.index.replica("r")) == 2 and pub.next_seq == 1, name
+
+
+def test_a_closed_publisher_refuses_events_and_closes_once() -> None:
+    pub = KVEventPublisher(LOOPBACK)
+    pub.close()
+    pub.close()
+    with pytest.raises(UsageError, match="closed"):
+        pub(AllBlocksCleared())
+    with pytest.raises(UsageError, match="expected a KV event"):
+        KVEventPublisher.__call__(pub, "BlockStored")  # type: ignore[arg-type]
+
+
+def test_a_batch_that_cannot_be_encoded_is_recorded_and_leaves_no_gap() -> None:
+    with _publisher() as pub, KVEventSubscriber({"r": _address(pub)}) as sub:
+        pub(BlockRemoved(block_hashes=("not a hash",)))
+        assert pub.drain(10.0)
+        assert pub.errors == 1 and "not a hash" in str(pub.last_error)
+        assert pub.next_seq == 0
+        pub(BlockStored(block_hashes=(7,), parent_block_hash=None, block_size=BS))
+        _sync(sub, pub, "r")
+        assert sub.index.replica("r").keys() == {7} and sub.feeds["r"].lost == 0
+
+
+def test_one_subscriber_follows_several_replicas_and_a_router_reads_them() -> None:
+    hasher = BlockHasher(block_size=BS)
+    prompts = {"a": [1] * (3 * BS), "b": [2] * (3 * BS)}
+    with _publisher(topic=kv_topic("a", "m")) as pa, _publisher(topic=kv_topic("b", "m")) as pb:
+        pubs = {"a": pa, "b": pb}
+        for name, pub in pubs.items():
+            cache = PrefixCache(LRU(16), block_size=BS, event_sink=pub)
+            cache.publish(hasher.hash_tokens(prompts[name]), token_ids=prompts[name])
+        with KVEventSubscriber({n: _address(p) for n, p in pubs.items()}) as sub:
+            for name, pub in pubs.items():
+                _sync(sub, pub, name)
+            router = ApproxPrefixRouter(index=sub.index)
+            loads = [ReplicaLoad(name="a"), ReplicaLoad(name="b")]
+            for i, name in enumerate(["b", "a", "b"]):
+                blocks = hasher.hash_tokens(prompts[name])
+                req = RouteRequest(request_id=i, blocks=blocks, num_tokens=3 * BS)
+                (decision,) = router.route(req, float(i), loads)
+                assert decision.replica == name
+            assert sub.pod_and_model("b") == ("b", "m")
+            with pytest.raises(UsageError, match="'c'"):
+                sub.catch_up("c")
+
+
+def test_a_started_subscriber_polls_only_in_its_own_thread() -> None:
+    with _publisher() as pub, KVEventSubscriber({"r": _address(pub)}) as sub:
+        sub.start()
+        with pytest.raises(UsageError, match="own thread"):
+            sub.poll(0.0)
+        with pytest.raises(UsageError, match="already started"):
+            sub.start()
+        pub(AllBlocksCleared())
+        _sync(sub, pub, "r")  # the subscriber's own thread applies it, catching up if need be
+        assert sub.index.replica("r").stats.cleared == 1
 
 
 # -- the property: an index following a publisher equals the publisher's resident set -------

@@ -33,6 +33,7 @@ from hypothesis import strategies as st
 
 from prefixflight.core import BlockHasher, UsageError
 from prefixflight.serve.kv_events import (
+    END_SEQ,
     KVEventFormatError,
     WireAllBlocksCleared,
     WireBatch,
@@ -42,6 +43,8 @@ from prefixflight.serve.kv_events import (
     encode_batch,
     fold_hash,
     kv_topic,
+    parse_live_frames,
+    parse_replay_frames,
     parse_topic,
     to_wire_hash,
 )
@@ -360,3 +363,18 @@ def test_round_trip(batch: WireBatch, encoding: Any) -> None:
 def test_bad_payloads_name_the_field(payload: bytes, where: str) -> None:
     with pytest.raises(KVEventFormatError, match=where.replace("[", r"\[")):
         decode_batch(payload)
+
+
+def test_live_and_replay_frames_in_both_vllm_layouts() -> None:
+    seq = (5).to_bytes(8, "big")
+    end = (-1).to_bytes(8, "big", signed=True)
+    assert parse_live_frames([b"kv@p@m", seq, b"x"]) == ("kv@p@m", 5, b"x")
+    assert parse_replay_frames([b"", b"kv@p@m", seq, b"x"]) == ("kv@p@m", 5, b"x")
+    assert parse_replay_frames([b"", seq, b"x"]) == (None, 5, b"x")  # before the topic frame
+    assert parse_replay_frames([b"", b"", end, b""]) == (None, END_SEQ, b"")
+    assert parse_replay_frames([b"", end, b""]) == (None, END_SEQ, b"")
+    for bad in ([b"t", b"\x00", b"x"], [b"t", seq]):
+        with pytest.raises(KVEventFormatError, match="seq"):
+            parse_live_frames(bad)
+    with pytest.raises(KVEventFormatError, match="replay reply"):
+        parse_replay_frames([b"", b"short", b"x"])

@@ -46,6 +46,8 @@ __all__ = [
     "encode_batch",
     "fold_hash",
     "kv_topic",
+    "parse_live_frames",
+    "parse_replay_frames",
     "parse_topic",
     "to_wire_hash",
 ]
@@ -109,6 +111,34 @@ def parse_topic(topic: str) -> tuple[str, str]:
     if len(parts) == 3:
         return parts[1], parts[2]
     return topic, ""
+
+
+_SEQ_BYTES: Final = 8
+
+
+def parse_live_frames(frames: Sequence[bytes]) -> tuple[str, int, bytes]:
+    """``(topic, seq, payload)`` from a PUB message ``[topic, seq, payload]``."""
+    if len(frames) != 3 or len(frames[1]) != _SEQ_BYTES:
+        raise KVEventFormatError(f"expected [topic, 8-byte seq, payload], got {list(frames)!r}")
+    topic, seq, payload = frames
+    return topic.decode("utf-8", "replace"), int.from_bytes(seq, "big"), payload
+
+
+def parse_replay_frames(frames: Sequence[bytes]) -> tuple[str | None, int, bytes]:
+    """``(topic, seq, payload)`` from one replay reply as a DEALER receives it.
+
+    vLLM's current layout is ``[b"", topic, seq, payload]`` (its end marker ``[b"", b"",
+    -1, b""]``); older releases send ``[b"", seq, payload]``, read with topic ``None``. The
+    seq is signed: `END_SEQ` (-1) ends the stream.
+    """
+    body = list(frames[1:]) if frames and frames[0] == b"" else list(frames)
+    topic: str | None = None
+    if len(body) == 3:
+        topic = body[0].decode("utf-8", "replace") if body[0] else None
+        body = body[1:]
+    if len(body) != 2 or len(body[0]) != _SEQ_BYTES:
+        raise KVEventFormatError(f"expected a replay reply, got {list(frames)!r}")
+    return topic, int.from_bytes(body[0], "big", signed=True), body[1]
 
 
 def _hashes(value: Sequence[WireHash]) -> tuple[WireHash, ...]:

@@ -56,6 +56,8 @@ from ._kv_wire import (
     encode_batch,
     fold_hash,
     kv_topic,
+    parse_live_frames,
+    parse_replay_frames,
     parse_topic,
     to_wire_hash,
 )
@@ -83,6 +85,8 @@ __all__ = [
     "fold_hash",
     "kv_topic",
     "offset_endpoint",
+    "parse_live_frames",
+    "parse_replay_frames",
     "parse_topic",
     "to_wire_hash",
     "wire_events",
@@ -268,7 +272,8 @@ class KVEventPublisher:
         self._next_seq = 0  # next number to send; guarded by _sent
         self._queued = 0  # batches handed to the thread; guarded by _sent
         self._deferred = 0
-        self._error: BaseException | None = None
+        self._errors = 0  # guarded by _sent
+        self._error: Exception | None = None
 
         ctx = zmq.Context.instance() if context is None else context
         pub_ep = offset_endpoint(endpoint, data_parallel_rank)
@@ -319,6 +324,18 @@ class KVEventPublisher:
         """The number the next batch sent will carry (batches ``0 .. next_seq-1`` are out)."""
         with self._sent:
             return self._next_seq
+
+    @property
+    def errors(self) -> int:
+        """Batches that could not be encoded or sent (dropped before numbering), and replay
+        requests that failed."""
+        with self._sent:
+            return self._errors
+
+    @property
+    def last_error(self) -> Exception | None:
+        with self._sent:
+            return self._error
 
     @property
     def deferred(self) -> int:
@@ -407,14 +424,33 @@ class KVEventPublisher:
                 while not self._queue.empty():  # anything flushed before close()
                     rest = self._queue.get_nowait()
                     if isinstance(rest, tuple):
-                        self._send(*rest)
+                        self._send_or_record(*rest)
                 return
             if isinstance(item, tuple):
-                self._send(*item)
-            self._serve_replay()
+                self._send_or_record(*item)
+            try:
+                self._serve_replay()
+            except zmq.ZMQError as exc:
+                self._record(exc)
             with self._lock:
                 if self._pending and time.monotonic() - self._pending_since >= self._max_delay:
                     self._flush_locked()
+
+    def _record(self, exc: Exception) -> None:
+        with self._sent:
+            self._errors += 1
+            self._error = exc
+
+    def _send_or_record(self, ts: float, events: list[KVEvent]) -> None:
+        """Send one batch; a batch that cannot be encoded or sent is dropped *before* it is
+        numbered (subscribers see no gap) and recorded in `errors` / `last_error`."""
+        try:
+            self._send(ts, events)
+        except (UsageError, zmq.ZMQError, TypeError, ValueError, OverflowError) as exc:
+            self._record(exc)
+            with self._sent:
+                self._queued -= 1
+                self._sent.notify_all()
 
     def _send(self, ts: float, events: list[KVEvent]) -> None:
         batch = WireBatch(
@@ -524,6 +560,7 @@ class KVEventSubscriber:
         self._errors = 0
         self._closed = False
         self._stop = threading.Event()
+        self._applied = threading.Condition()
         self._thread: threading.Thread | None = None
         self._topics: dict[str, str] = {}
         for name, a in addresses.items():
@@ -560,6 +597,10 @@ class KVEventSubscriber:
     def poll(self, timeout_s: float = 0.0) -> int:
         """Apply what has arrived, waiting up to ``timeout_s`` for the first message; return
         how many batches were applied (replayed ones included)."""
+        if self._thread is not None and threading.current_thread() is not self._thread:
+            raise UsageError("the subscriber polls in its own thread since start()")
+        if self._closed:
+            raise UsageError("the subscriber is closed")
         applied = 0
         ready = dict(self._poller.poll(max(0, int(timeout_s * 1000))))
         for sock in ready:
@@ -575,20 +616,69 @@ class KVEventSubscriber:
     def catch_up(self, replica: str | None = None) -> int:
         """Ask replay sockets for everything after what was applied (for a subscriber that
         joined late or went quiet); return how many batches were applied."""
+        if replica is not None and replica not in self._feeds:
+            raise UsageError(f"unknown replica {replica!r}; known: {sorted(self._feeds)}")
         names = list(self._feeds) if replica is None else [replica]
         return sum(self._replay(n, self._feeds[n].next_seq) for n in names)
 
-    def start(self) -> None:
-        """Poll in a background thread until `close`, catching up first."""
+    def wait_for_seq(self, replica: str, seq: int, timeout_s: float = 5.0) -> bool:
+        """Wait until batches up to ``seq - 1`` of ``replica`` are applied (or lost):
+        ``feeds[replica].next_seq >= seq``; ``False`` on timeout.
+
+        Without `start`, this polls (and asks the replay socket when nothing arrives, since
+        a message missed at the tail is announced by nothing else); after `start`, it waits
+        for the background thread.
+        """
+        feed = self._feeds.get(replica)
+        if feed is None:
+            raise UsageError(f"unknown replica {replica!r}; known: {sorted(self._feeds)}")
+        deadline = time.monotonic() + timeout_s
+        if self._thread is None:
+            while feed.next_seq < seq:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                if self.poll(min(left, 0.05)) == 0:
+                    self.catch_up(replica)
+            return True
+        with self._applied:
+            while feed.next_seq < seq:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._thread.is_alive():
+                    return False
+                self._applied.wait(left)
+        return True
+
+    def start(self, *, catch_up_every_s: float = 1.0) -> None:
+        """Poll in a background thread until `close`: catch up first, then again whenever
+        nothing arrived for ``catch_up_every_s`` (a batch missed at the tail of a stream is
+        announced by nothing else)."""
         if self._thread is not None:
             raise UsageError("the subscriber is already started")
-        self._thread = threading.Thread(target=self._loop, name="kv-events-subscriber", daemon=True)
+        if self._closed:
+            raise UsageError("the subscriber is closed")
+        self._thread = threading.Thread(
+            target=self._loop, args=(catch_up_every_s,), name="kv-events-subscriber", daemon=True
+        )
         self._thread.start()
 
-    def _loop(self) -> None:
-        self.catch_up()
+    def _loop(self, every: float) -> None:
+        self._notify(self.catch_up())
+        quiet_since = time.monotonic()
         while not self._stop.is_set():
-            self.poll(0.05)
+            applied = self.poll(min(0.05, every))
+            now = time.monotonic()
+            if applied == 0 and now - quiet_since >= every:
+                applied = self.catch_up()
+                quiet_since = now
+            elif applied:
+                quiet_since = now
+            self._notify(applied)
+
+    def _notify(self, applied: int) -> None:
+        if applied:
+            with self._applied:
+                self._applied.notify_all()
 
     def close(self) -> None:
         if self._closed:
@@ -618,17 +708,13 @@ class KVEventSubscriber:
             self._on_error(name, exc)
 
     def _on_live(self, name: str, frames: list[bytes]) -> int:
-        if len(frames) != 3 or len(frames[1]) != _SEQ_BYTES:
-            self._fail(name, KVEventFormatError(f"expected [topic, seq, payload], got {frames!r}"))
-            return 0
-        topic, seq_bytes, payload = frames
-        seq = int.from_bytes(seq_bytes, "big")
         try:
+            topic, seq, payload = parse_live_frames(frames)
             batch = decode_batch(payload)
         except KVEventFormatError as exc:
             self._fail(name, exc)
             return 0
-        self._topics[name] = topic.decode("utf-8", "replace")
+        self._topics[name] = topic
         feed = self._feeds[name]
         applied = 0
         start = feed.observe_live(seq)
@@ -665,20 +751,17 @@ class KVEventSubscriber:
                 self._fail(name, TimeoutError(f"replay from {start} timed out"))
                 return applied
             frames = sock.recv_multipart()
-            # [b"", seq, payload] (vLLM before the topic frame) or [b"", topic, seq, payload]
-            body = frames[1:] if frames and frames[0] == b"" else frames
-            if len(body) == 3:
-                if body[0]:
-                    self._topics[name] = body[0].decode("utf-8", "replace")
-                body = body[1:]
-            if len(body) != 2 or len(body[0]) != _SEQ_BYTES:
-                self._fail(name, KVEventFormatError(f"bad replay frames {frames!r}"))
+            try:
+                topic, seq, payload = parse_replay_frames(frames)
+            except KVEventFormatError as exc:
+                self._fail(name, exc)
                 continue
-            seq = int.from_bytes(body[0], "big", signed=True)
+            if topic is not None:
+                self._topics[name] = topic
             if seq == END_SEQ:
                 return applied
             try:
-                batch = decode_batch(body[1])
+                batch = decode_batch(payload)
             except KVEventFormatError as exc:
                 self._fail(name, exc)
                 continue
