@@ -244,12 +244,13 @@ def test_events_go_out_without_flush_by_time_and_by_size() -> None:
 
 def test_a_closed_publisher_refuses_events_and_closes_once() -> None:
     pub = KVEventPublisher(LOOPBACK)
+    with pytest.raises(UsageError, match="expected a KV event, got 'BlockStored'"):
+        pub("BlockStored")  # type: ignore[arg-type]
     pub.close()
     pub.close()
     with pytest.raises(UsageError, match="closed"):
         pub(AllBlocksCleared())
-    with pytest.raises(UsageError, match="expected a KV event"):
-        KVEventPublisher.__call__(pub, "BlockStored")  # type: ignore[arg-type]
+    assert pub.next_seq == 0  # the rejected event never went out
 
 
 def test_a_batch_that_cannot_be_encoded_is_recorded_and_leaves_no_gap() -> None:

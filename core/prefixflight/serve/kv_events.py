@@ -6,7 +6,7 @@
 ``vllm/distributed/kv_events.py`` at commit 0181ea31): multipart messages ``[topic, seq,
 payload]`` on a PUB socket, ``seq`` an 8-byte big-endian count from 0, ``payload`` a msgpack
 ``EventBatch``; a ROUTER socket replays buffered batches from a requested seq, then sends
-seq -1. The engine thread only appends to a list; a background thread encodes and sends,
+seq -1. The engine thread only appends to a deque; a background thread encodes and sends,
 so the engine never waits on the network.
 
 `KVEventSubscriber` follows one or more publishers (ours or vLLM's), each named by a replica
@@ -31,6 +31,7 @@ import zmq
 
 from prefixflight.core import (
     AllBlocksCleared,
+    BlockHash,
     BlockHasher,
     BlockRemoved,
     BlockStored,
@@ -95,6 +96,8 @@ __all__ = [
 _SEQ_BYTES: Final = 8
 _END: Final = END_SEQ.to_bytes(_SEQ_BYTES, "big", signed=True)
 _STOP: Final = object()
+_KV_EVENT_TUPLE: Final = (BlockStored, BlockRemoved, AllBlocksCleared)
+_KV_EVENTS: Final = frozenset(_KV_EVENT_TUPLE)
 
 
 def offset_endpoint(endpoint: str, data_parallel_rank: int) -> str:
@@ -120,6 +123,13 @@ def _binds(endpoint: str) -> bool:
     )
 
 
+def _folder(hash_encoding: HashEncoding) -> Callable[[BlockHash], WireHash]:
+    """`to_wire_hash` for one encoding, with the common case (a sha256 digest) inlined."""
+    if hash_encoding == "bytes":
+        return lambda b: b if type(b) is bytes else fold_hash(b)
+    return lambda b: int.from_bytes(b[-8:], "big") if type(b) is bytes and b else fold_hash(b)
+
+
 def wire_events(
     events: Iterable[KVEvent],
     *,
@@ -130,50 +140,63 @@ def wire_events(
     """The core's events as vLLM's, in order; consecutive stores that chain (each one's
     parent is the previous one's last block) merge into one ``BlockStored``, as vLLM sends
     one per request and step. Parents always come before their children."""
+    if hash_encoding not in ("int", "bytes"):
+        raise UsageError(f"hash_encoding must be 'int' or 'bytes', got {hash_encoding!r}")
+    fold = _folder(hash_encoding)
     out: list[WireEvent] = []
-    last_stored: BlockStored | None = None
+    # the open run of chained stores: its first event, hashes, tokens and last core hash
+    first: BlockStored | None = None
+    hashes: list[WireHash] = []
+    tokens: list[int] = []
+    last: BlockHash | None = None
+
+    def close_run() -> None:
+        if first is None:
+            return
+        parent = first.parent_block_hash
+        out.append(
+            WireBlockStored(
+                block_hashes=hashes,
+                parent_block_hash=None if parent is None else fold(parent),
+                token_ids=tokens,
+                block_size=first.block_size,
+                medium=medium,
+                lora_name=lora_name,
+            )
+        )
+
     for ev in events:
         match ev:
             case BlockStored():
-                h = tuple(to_wire_hash(b, hash_encoding) for b in ev.block_hashes)
-                prev = out[-1] if out else None
+                bh = ev.block_hashes
                 if (
-                    isinstance(prev, WireBlockStored)
-                    and last_stored is not None
-                    and last_stored.block_hashes
-                    and ev.parent_block_hash == last_stored.block_hashes[-1]
-                    and ev.block_size == prev.block_size
-                    and bool(ev.token_ids) == bool(prev.token_ids)
+                    first is None
+                    or last is None
+                    or ev.parent_block_hash != last
+                    or ev.block_size != first.block_size
+                    or (not ev.token_ids) != (not tokens)
                 ):
-                    out[-1] = attrs.evolve(
-                        prev,
-                        block_hashes=prev.block_hashes + h,
-                        token_ids=prev.token_ids + tuple(ev.token_ids),
-                    )
+                    close_run()
+                    first, hashes, tokens = ev, [], []
+                if len(bh) == 1:
+                    hashes.append(fold(bh[0]))
                 else:
-                    parent = ev.parent_block_hash
-                    out.append(
-                        WireBlockStored(
-                            block_hashes=h,
-                            parent_block_hash=(
-                                None if parent is None else to_wire_hash(parent, hash_encoding)
-                            ),
-                            token_ids=ev.token_ids,
-                            block_size=ev.block_size,
-                            medium=medium,
-                            lora_name=lora_name,
-                        )
-                    )
-                last_stored = ev
+                    hashes.extend(map(fold, bh))
+                tokens += ev.token_ids
+                last = bh[-1] if bh else None
             case BlockRemoved():
-                h = tuple(to_wire_hash(b, hash_encoding) for b in ev.block_hashes)
-                out.append(WireBlockRemoved(block_hashes=h, medium=medium))
-                last_stored = None
+                close_run()
+                first = last = None
+                out.append(
+                    WireBlockRemoved(block_hashes=list(map(fold, ev.block_hashes)), medium=medium)
+                )
             case AllBlocksCleared():
+                close_run()
+                first = last = None
                 out.append(WireAllBlocksCleared())
-                last_stored = None
             case _:
                 assert_never(ev)
+    close_run()
     return out
 
 
@@ -190,7 +213,7 @@ class KVEventPublisher:
     Batching: the events since the last `flush` form one ``EventBatch`` (call `flush` once
     per engine step, as vLLM publishes once per scheduler step); pending events also go out
     after ``max_delay_s`` or once ``max_batch_events`` accumulate, so a host that never
-    flushes still publishes. Calling the publisher only appends to a list under a lock; a
+    flushes still publishes. Calling the publisher only appends to a deque (no lock); a
     background thread encodes, numbers, sends and answers replay requests. When its queue
     (``max_queue_batches``) is full, events stay pending and join the next batch: none is
     dropped and the caller never blocks.
@@ -264,9 +287,9 @@ class KVEventPublisher:
         self._queue: queue.Queue[tuple[float, list[KVEvent]] | object] = queue.Queue(
             maxsize=max_queue_batches
         )
-        self._lock = threading.Lock()
-        self._pending: list[KVEvent] = []
-        self._pending_since = 0.0
+        self._lock = threading.Lock()  # one flusher at a time; the sink itself takes no lock
+        self._pending: deque[KVEvent] = deque()  # appends and poplefts are atomic
+        self._pending_seen: float | None = None  # when the thread first saw pending events
         self._closed = False
         self._sent = threading.Condition()
         self._next_seq = 0  # next number to send; guarded by _sent
@@ -345,16 +368,13 @@ class KVEventPublisher:
     # -- the sink -----------------------------------------------------------------------------
     def __call__(self, event: KVEvent) -> None:
         """Queue ``event`` for the next batch (the `EventSink` protocol); never blocks on I/O."""
-        if not isinstance(event, (BlockStored, BlockRemoved, AllBlocksCleared)):
+        if self._closed:
+            raise UsageError("the KV-event publisher is closed")
+        if type(event) not in _KV_EVENTS and not isinstance(event, _KV_EVENT_TUPLE):
             raise UsageError(f"expected a KV event, got {event!r}")
-        with self._lock:
-            if self._closed:
-                raise UsageError("the KV-event publisher is closed")
-            if not self._pending:
-                self._pending_since = time.monotonic()
-            self._pending.append(event)
-            full = len(self._pending) >= self._max_batch
-        if full:
+        pending = self._pending
+        pending.append(event)
+        if len(pending) >= self._max_batch:
             self.flush()
 
     def flush(self) -> None:
@@ -363,9 +383,11 @@ class KVEventPublisher:
             self._flush_locked()
 
     def _flush_locked(self) -> None:
-        if not self._pending:
+        pending = self._pending
+        n = len(pending)
+        if not n:
             return
-        events, self._pending = self._pending, []
+        events = [pending.popleft() for _ in range(n)]  # later appends wait for the next batch
         with self._sent:
             self._queued += 1
         try:
@@ -373,7 +395,7 @@ class KVEventPublisher:
         except queue.Full:
             with self._sent:
                 self._queued -= 1
-            self._pending = events  # keep them: they join the next batch
+            pending.extendleft(reversed(events))  # keep them, in order: they join the next batch
             self._deferred += 1
 
     def drain(self, timeout_s: float = 5.0) -> bool:
@@ -432,9 +454,14 @@ class KVEventPublisher:
                 self._serve_replay()
             except zmq.ZMQError as exc:
                 self._record(exc)
-            with self._lock:
-                if self._pending and time.monotonic() - self._pending_since >= self._max_delay:
-                    self._flush_locked()
+            # the time bound: events pending for max_delay_s (as seen from here) go out
+            if not self._pending:
+                self._pending_seen = None
+            elif self._pending_seen is None:
+                self._pending_seen = time.monotonic()
+            elif time.monotonic() - self._pending_seen >= self._max_delay:
+                self._pending_seen = None
+                self.flush()
 
     def _record(self, exc: Exception) -> None:
         with self._sent:
