@@ -169,3 +169,12 @@ def test_approx_prefix_router_reads_an_external_index() -> None:
     assuming = ApproxPrefixRouter(ApproxPrefixConfig())
     (d,) = assuming.route(other, 0.0, replicas)
     assert assuming.indexed_prefix(d.replica, other.blocks) == 4
+
+
+def test_the_public_surface_is_what_all_says() -> None:
+    import prefixflight.serve.kv_events as mod
+
+    exported = list(mod.__all__)
+    assert exported == sorted(exported, key=lambda s: (not s.isupper(), s))
+    for name in exported:
+        assert hasattr(mod, name), name
