@@ -17,7 +17,7 @@ from ._burst import (
     Placed,
     assign_batch,
 )
-from ._protocol import ReplicaLoad, Rng, Routed, Router, RouteRequest
+from ._protocol import PrefixIndex, ReplicaLoad, Rng, Routed, Router, RouteRequest
 
 __all__ = [
     "ApproxPrefixConfig",
@@ -30,6 +30,7 @@ __all__ = [
     "LeastLoadedRouter",
     "NoAffinity",
     "Placed",
+    "PrefixIndex",
     "ReplicaLoad",
     "Rng",
     "RouteRequest",

@@ -9,7 +9,10 @@
   broken at random, like llm-d's max-score picker. llm-d records a decision in its index
   only after scheduling it, so requests scheduled concurrently do not see each other:
   ``index_lag`` (seconds) models that; a decision becomes visible ``index_lag`` after it
-  was made. A cold burst therefore scores zero everywhere and scatters by load.
+  was made. A cold burst therefore scores zero everywhere and scatters by load. With
+  ``index=`` (a `PrefixIndex`, e.g. a block index fed by the replicas' KV events) the prefix
+  score reads that index instead and nothing is assumed, as llm-d's precise prefix-cache
+  scorer reads its KV-event index.
 - `BurstAffinityRouter`: `BurstRouter` in front of another router: requests it places go
   where it says; those with no affinity go to the fallback (as llm-d's scorer chain does).
 
@@ -31,6 +34,7 @@ from ..cache._policies import LRU
 from ..flight._plan import RequestId
 from ._burst import BurstRouter, NoAffinity, Placed
 from ._protocol import (
+    PrefixIndex,
     ReplicaLoad,
     Rng,
     Routed,
@@ -107,11 +111,18 @@ class ApproxPrefixConfig:
 class ApproxPrefixRouter:
     """llm-d's approximate prefix-cache-aware routing (see the module docstring)."""
 
-    __slots__ = ("_config", "_index", "_lagged", "_now", "_rng")
+    __slots__ = ("_config", "_external", "_index", "_lagged", "_now", "_rng")
 
-    def __init__(self, config: ApproxPrefixConfig | None = None, rng: Rng | None = None) -> None:
+    def __init__(
+        self,
+        config: ApproxPrefixConfig | None = None,
+        rng: Rng | None = None,
+        *,
+        index: PrefixIndex | None = None,
+    ) -> None:
         self._config = ApproxPrefixConfig() if config is None else config
         self._rng = rng
+        self._external = index
         self._index: dict[str, LRU] = {}
         self._lagged: deque[tuple[float, str, tuple[BlockHash, ...]]] = deque()
         self._now = float("-inf")
@@ -122,6 +133,8 @@ class ApproxPrefixRouter:
 
     def indexed_prefix(self, replica: str, blocks: Sequence[BlockHash]) -> int:
         """How many leading ``blocks`` the index believes ``replica`` holds now."""
+        if self._external is not None:
+            return self._external.prefix_blocks(replica, blocks)
         lru = self._index.get(replica)
         return 0 if lru is None else lru.resident_prefix(blocks)
 
@@ -162,7 +175,11 @@ class ApproxPrefixRouter:
         return None
 
     def record(self, request: RouteRequest, replica: str, now: float) -> None:
-        """Assume ``replica`` caches the prompt; the index learns it after ``index_lag``."""
+        """Assume ``replica`` caches the prompt; the index learns it after ``index_lag``.
+
+        With an external ``index`` nothing is assumed: that index follows the replicas."""
+        if self._external is not None:
+            return
         blocks = request.blocks[: self._config.max_prefix_blocks_to_match]
         if self._config.index_lag > 0:
             self._lagged.append((now + self._config.index_lag, replica, blocks))

@@ -19,6 +19,7 @@ from ..cache._hashing import BlockHash
 from ..flight._plan import RequestId
 
 __all__ = [
+    "PrefixIndex",
     "ReplicaLoad",
     "RouteRequest",
     "Routed",
@@ -111,6 +112,15 @@ class Router(Protocol):
 
     def record(self, request: RouteRequest, replica: str, now: float) -> None:
         """Learn that ``request`` was sent to ``replica`` by someone else (a wrapper)."""
+        ...
+
+
+class PrefixIndex(Protocol):
+    """What a router can read about replicas' caches from outside: a block index fed by KV
+    events (``prefixflight.serve.kv_events.ClusterBlockIndex``) fits."""
+
+    def prefix_blocks(self, replica: str, blocks: Sequence[BlockHash]) -> int:
+        """How many leading ``blocks`` ``replica`` holds now."""
         ...
 
 
