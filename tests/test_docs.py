@@ -1,0 +1,66 @@
+"""The docs run as written: every Python block of a tested page, in order, prints the block
+that follows it; and every results file the docs cite is committed."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```\n", re.MULTILINE | re.DOTALL)
+
+
+def blocks(page: Path) -> list[tuple[str, str]]:
+    """``(code, expected output)`` for every ``python`` fence; the output is the bare fence
+    that follows it directly (empty if none does)."""
+    text = page.read_text(encoding="utf-8")
+    fences = list(FENCE.finditer(text))
+    out: list[tuple[str, str]] = []
+    for i, m in enumerate(fences):
+        if m.group(1) != "python":
+            continue
+        expected = ""
+        if i + 1 < len(fences):
+            nxt = fences[i + 1]
+            between = text[m.end() : nxt.start()]
+            if nxt.group(1) == "" and not between.strip():
+                expected = nxt.group(2)
+        out.append((m.group(2), expected))
+    return out
+
+
+def test_embedding_page_runs_and_prints_what_it_shows() -> None:
+    pytest.importorskip("hypothesis")  # FakeBackend lives in prefixflight.specs
+    page = DOCS / "embedding.md"
+    found = blocks(page)
+    assert len(found) >= 4, "the page lost its examples"
+    namespace: dict[str, object] = {"__name__": "embedding_doc"}
+    for n, (code, expected) in enumerate(found):
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            exec(compile(code, f"{page.name}:block{n}", "exec"), namespace)
+        assert buf.getvalue() == expected, f"block {n} of {page.name} printed something else"
+
+
+def test_block_extraction_pairs_code_with_its_output(tmp_path: Path) -> None:
+    page = tmp_path / "p.md"
+    page.write_text(
+        "```python\nprint(1)\n```\n\n```\n1\n```\n\ntext\n\n```python\nx = 2\n```\n"
+        "\nprose\n\n```\nnot output\n```\n",
+        encoding="utf-8",
+    )
+    assert blocks(page) == [("print(1)\n", "1\n"), ("x = 2\n", "")]
+
+
+def test_results_cited_by_the_docs_are_committed() -> None:
+    cited: set[str] = set()
+    for page in [ROOT / "README.md", *DOCS.glob("*.md")]:
+        cited.update(re.findall(r"docs/results/[\w.-]+\.json", page.read_text(encoding="utf-8")))
+    assert cited, "no page cites a results file"
+    missing = sorted(c for c in cited if not (ROOT / c).is_file())
+    assert missing == []
