@@ -1,12 +1,13 @@
-"""Seed 000's four TTFT experiments, measured with our engine on a real model.
+"""The four TTFT experiments of the single-flight prefill study of mini-vllm-rs, measured with
+our engine on a real model.
 
 1. ``warm_prefix``: a document prompt whose first blocks an earlier request cached.
 2. ``incremental_publication``: one request starts; once its first token is out, N more with
    the same prompt arrive while it decodes; publish-per-step against publish-on-completion
    (no flight coordination, so only publication timing differs).
 3. ``single_flight``: N identical requests arrive together under ``independent``,
-   ``on_completion`` and ``after_prefill`` (publication on completion, the seed's baseline;
-   flight leaders publish their prompt when its prefill ends, as the seed's early release does).
+   ``on_completion`` and ``after_prefill`` (publication on completion, the study's baseline;
+   flight leaders publish their prompt when its prefill ends, as the study's early release does).
 4. ``late_arrival``: a second identical request arrives after the first started decoding.
 
 Every run uses a fresh engine (empty cache, fresh scheduler) on one shared runner, so runs
@@ -56,7 +57,7 @@ _QUESTIONS = (
 
 @attrs.frozen(kw_only=True)
 class TTFTBenchConfig:
-    """Sizes of the experiments (the seed's by default) and how often to repeat them."""
+    """Sizes of the experiments (the study's by default) and how often to repeat them."""
 
     repetitions: int = 3
     output_tokens: int = 128
@@ -347,7 +348,7 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
 
 
 def format_tables(report: dict[str, Any]) -> str:
-    """The report as plain-text tables (the seed's layout, our numbers)."""
+    """The report as plain-text tables (the study's layout, our numbers)."""
     lines = [
         f"model {report['model']} on {report['device']} ({report['dtype']}, "
         f"{report['threads']} threads), page size {report['page_size']}, "

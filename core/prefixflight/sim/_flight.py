@@ -1,6 +1,7 @@
-"""Seed 000's experiments, run on the simulated engine (`simulate_engine`).
+"""The experiments of the single-flight prefill study of mini-vllm-rs, run on the simulated
+engine (`simulate_engine`).
 
-Each function builds the workload the seed describes, runs it under each policy and returns
+Each function builds the workload the study describes, runs it under each policy and returns
 one row per (policy, concurrency). Nothing is typed in: recovered tokens, TTFTs and
 completions are whatever the scheduler, coordinator and cost model produce.
 """
@@ -198,7 +199,7 @@ def simulate_late_arrival(
 
 @attrs.frozen(kw_only=True)
 class FindingsRow:
-    """Whether seed 000's subtler findings hold under one cost model."""
+    """Whether the single-flight study's subtler findings hold under one cost model."""
 
     overhead_share: float
     """Fixed share of a batch-1 decode step (0: batching decodes gains nothing)."""

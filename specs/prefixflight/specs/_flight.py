@@ -1,4 +1,4 @@
-"""Executable specification of single-flight coordination (seed 000).
+"""Executable specification of single-flight coordination.
 
 `FlightModel` is the reference: lists and linear scans, written as a literal reading of the
 seed and the issue, slow and obviously right. `FlightCoordinatorMachine` drives an
