@@ -355,11 +355,12 @@ def format_tables(report: dict[str, Any]) -> str:
         f"{report['output_tokens']} output tokens, median of {report['repetitions']} "
         f"repetition(s)",
     ]
+    sections = iter(range(1, 5))  # number the sections present without gaps (demo runs two)
     warm = report.get("warm_prefix")
     if warm:
         lines += [
             "",
-            "1. Warm document prefix",
+            f"{next(sections)}. Warm document prefix",
             f"   recovered {warm['recovered_tokens']} of {warm['prompt_tokens']} prompt tokens; "
             f"TTFT {_ms(warm['cold_ttft'])} cold -> {_ms(warm['warm_ttft'])} warm "
             f"({_pct(warm['warm_ttft'], warm['cold_ttft'])})",
@@ -384,7 +385,11 @@ def format_tables(report: dict[str, Any]) -> str:
                     _pct(new["mean_ttft"], base["mean_ttft"]),
                 )
             )
-        lines += ["", "2. Incremental publication (N requests arrive while the first decodes)"]
+        lines += [
+            "",
+            f"{next(sections)}. Incremental publication "
+            "(N requests arrive while the first decodes)",
+        ]
         header: tuple[str, ...] = (
             "N",
             "recovered/follower",
@@ -394,8 +399,8 @@ def format_tables(report: dict[str, Any]) -> str:
         )
         lines += _table(header, inc_rows)
     for key, title in (
-        ("single_flight", "3. Single flight (N identical requests arrive together)"),
-        ("late_arrival", "4. Late arrival (a second request arrives while the first decodes)"),
+        ("single_flight", "Single flight (N identical requests arrive together)"),
+        ("late_arrival", "Late arrival (a second request arrives while the first decodes)"),
     ):
         flight_rows = report.get(key)
         if not flight_rows:
@@ -419,7 +424,7 @@ def format_tables(report: dict[str, Any]) -> str:
                 )
             )
         header = ("N", "policy", "recovered/follower", "mean TTFT", "change", "slowest", "change")
-        lines += ["", title, *_table(header, rows)]
+        lines += ["", f"{next(sections)}. {title}", *_table(header, rows)]
     return "\n".join(lines)
 
 
