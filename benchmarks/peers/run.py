@@ -9,7 +9,7 @@ docs/performance.md):
   blocks (evicting cached ones), and on completion publish the new full blocks and release.
 * policy: 2M keys, Zipf(0.9) over 200k objects, ranks shuffled; each key is looked up and
   inserted on a miss; capacities 4,096 and 65,536.
-* traces: the block streams of the real Mooncake traces (``../shared/data``, bundled with
+* traces: the block streams of the real Mooncake traces (bundled with
   the package): every hash id of every request, in order, through S3FIFO and LRU; and our
   exact prefix replay (the S3-FIFO prefix-cache replay task's rule) of each trace.
 
@@ -109,8 +109,8 @@ def zipf_stream(
 
 
 def load_trace(name: str) -> list[TraceRecord]:
-    """A real Mooncake trace: the package's bundled copy of ``../shared/data/NAME_trace.jsonl``
-    (the same file, gzipped)."""
+    """A real Mooncake trace: the package's bundled copy (the published
+    ``NAME_trace.jsonl``, gzipped)."""
     from prefixflight.cli import read_trace
 
     with read_trace(f"bundled:{name}") as reader:
