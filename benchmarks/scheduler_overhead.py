@@ -1,9 +1,9 @@
 """Host-side cost of the scheduler per step, next to the model's step time.
 
-A backend step of SmolLM2-135M on CPU takes 35-95 ms (MODEL.md); the scheduler's own work per
-step (plan building, result checking, publication, admission) must be small next to it. For R
-running requests (8, 64, 512) this times ``schedule`` + ``complete_step`` in two phases:
-decode-only steps (every request decodes; a block completes every 16 steps and is published)
+A backend step of SmolLM2-135M on CPU takes 35-95 ms (`prefixflight bench calibrate`); the
+scheduler's own work per step (plan building, result checking, publication, admission) must be small
+next to it. For R running requests (8, 64, 512) this times ``schedule`` + ``complete_step`` in two
+phases: decode-only steps (every request decodes; a block completes every 16 steps and is published)
 and a prefill burst (R requests of 512 tokens admitted and prefilled under a budget of R + 512
 tokens per step, half of them sharing their prompt with an earlier one, so admission looks
 up, pins and reuses). Sizes are interleaved and repeated; the table shows microseconds per

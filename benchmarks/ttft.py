@@ -1,4 +1,5 @@
-"""Seed 000's TTFT experiments on SmolLM2-135M with prefixflight's engine (torch extra).
+"""The TTFT experiments of the single-flight prefill study of mini-vllm-rs on SmolLM2-135M,
+with prefixflight's engine (torch extra).
 
 The same run as ``prefixflight bench ttft``: warm document prefix, incremental publication,
 single flight under independent / on_completion / after_prefill, and the late arrival, all

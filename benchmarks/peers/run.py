@@ -1,6 +1,7 @@
 """prefixflight side by side with vLLM, SGLang and libCacheSim, in one process.
 
-Three workloads (see ../../../shared/PEERS.md for where they come from):
+Three workloads (the shapes of a performance probe of vLLM, SGLang and libCacheSim; see
+docs/performance.md):
 
 * engine: 10,000 prompts of 512-4096 tokens, block size 16, 30% starting with one shared
   1024-token prefix; a pool of 16,384 blocks and 32 requests in flight, finishing in FIFO
@@ -8,9 +9,9 @@ Three workloads (see ../../../shared/PEERS.md for where they come from):
   blocks (evicting cached ones), and on completion publish the new full blocks and release.
 * policy: 2M keys, Zipf(0.9) over 200k objects, ranks shuffled; each key is looked up and
   inserted on a miss; capacities 4,096 and 65,536.
-* traces: the block streams of the real Mooncake traces (``../shared/data``, bundled with
+* traces: the block streams of the real Mooncake traces (bundled with
   the package): every hash id of every request, in order, through S3FIFO and LRU; and our
-  exact prefix replay (seed 002) of each trace.
+  exact prefix replay (the S3-FIFO prefix-cache replay task's rule) of each trace.
 
 Every implementation runs over the same generated data, interleaved over several rounds in
 rotating order so machine noise hits all alike; the table shows medians, the ratio of each
@@ -108,8 +109,8 @@ def zipf_stream(
 
 
 def load_trace(name: str) -> list[TraceRecord]:
-    """A real Mooncake trace: the package's bundled copy of ``../shared/data/NAME_trace.jsonl``
-    (the same file, gzipped)."""
+    """A real Mooncake trace: the package's bundled copy (the published
+    ``NAME_trace.jsonl``, gzipped)."""
     from prefixflight.cli import read_trace
 
     with read_trace(f"bundled:{name}") as reader:
@@ -179,9 +180,9 @@ def minimal_engine(
     in_flight: int = IN_FLIGHT,
     block: int = BLOCK,
 ) -> Outcome:
-    """PEERS.md's minimal plain-Python block-hash cache (appendix): one flat LRU of block
-    ids, chained sha256 over token bytes, no API layer, no pins, no policies. The floor of
-    a plain-Python block-hash cache, for reference."""
+    """A minimal plain-Python block-hash cache, as a performance probe wrote it: one flat LRU of
+    block ids, chained sha256 over token bytes, no API layer, no pins, no policies. The floor of a
+    plain-Python block-hash cache, for reference."""
     import hashlib
 
     sha256 = hashlib.sha256
@@ -452,7 +453,7 @@ def ours_policy_per_call(stream: Sequence[int], capacity: int) -> Outcome:
 
 
 def baseline_s3fifo(stream: Sequence[int], cap: int) -> Outcome:
-    """PEERS.md's tight plain-Python S3-FIFO (promotion at freq >= 2), the plain ceiling."""
+    """A tight plain-Python S3-FIFO (promotion at freq >= 2), the plain ceiling."""
     s_cap = max(1, cap // 10)
     m_cap = cap - s_cap
     g_cap = max(1, int(cap * 0.9))
@@ -527,8 +528,8 @@ def libcachesim_factories(
     stream: Sequence[int], capacity: int, policy: str, workdir: Path
 ) -> dict[str, Runner]:
     """libCacheSim per call from Python (``cache.get``) and whole loop in C
-    (``process_trace`` over an oracleGeneral binary trace). ``hashpower=18``, as PEERS.md
-    found: the default 24 makes it 3-5x slower. Object sizes are 1, so sizes count objects."""
+    (``process_trace`` over an oracleGeneral binary trace). ``hashpower=18``, as a performance
+    probe found: the default 24 makes it 3-5x slower. Object sizes are 1, so sizes count objects."""
     import struct
 
     lcs = import_module("libcachesim")  # GPL: only ever imported here, in the peers venv
@@ -570,7 +571,7 @@ def libcachesim_factories(
 
 # -- traces --------------------------------------------------------------------------------
 def ours_trace_replay(records: Sequence[TraceRecord], policy: str, capacity: int) -> Outcome:
-    """Seed 002's exact prefix replay (token hit rate; not comparable to block rates)."""
+    """The replay task's exact prefix replay (token hit rate; not comparable to block rates)."""
     t0 = time.perf_counter()
     report = replay(records, policy=policy, cache_capacity_blocks=capacity)
     total = time.perf_counter() - t0
@@ -696,7 +697,7 @@ def build_groups(args: argparse.Namespace, log: Callable[[str], None]) -> list[G
         )
         g.add("prefixflight S3FIFO", lambda: ours_engine(prompts, "s3fifo"))
         g.add("prefixflight LRU", lambda: ours_engine(prompts, "lru"))
-        g.add("plain-Python minimal block cache (PEERS.md)", lambda: minimal_engine(prompts))
+        g.add("plain-Python minimal block cache", lambda: minimal_engine(prompts))
         if "vllm" not in args.skip:
             run = try_peer("vLLM", lambda: vllm_engine_factory(prompts), log)
             if run is not None:
@@ -739,9 +740,9 @@ def build_groups(args: argparse.Namespace, log: Callable[[str], None]) -> list[G
                         ref = "prefixflight LRU" if policy == "lru" else name
                         g.add(name, run, same_as=ref)
             g.add(
-                "plain-Python S3-FIFO (PEERS.md baseline)",
+                "plain-Python S3-FIFO (tight baseline)",
                 partial(baseline_s3fifo, stream, cap),
-                same_as="plain-Python S3-FIFO (PEERS.md baseline)",
+                same_as="plain-Python S3-FIFO (tight baseline)",
             )
             groups.append(g)
     if "traces" in args.workloads:

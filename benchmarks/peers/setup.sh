@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create a separate virtual environment with the performance peers of PEERS.md:
+# Create a separate virtual environment with the performance peers (docs/performance.md):
 # vLLM 0.33.0 (v1 KV cache manager), SGLang 0.5.23 (RadixCache) and libCacheSim 0.3.5.
 #
 # The peers never enter the project's own environment: vLLM and SGLang pin a GPU stack,
@@ -26,7 +26,7 @@ PIP=("$VENV/bin/python" -m pip)
 "${PIP[@]}" install -q -e "$ROOT" numpy
 
 # 3. vLLM: the wheel without its dependency pins, then the light modules its
-#    KV cache manager imports (found by iterating on ModuleNotFoundError, see PEERS.md).
+#    KV cache manager imports (found by iterating on ModuleNotFoundError).
 mkdir -p "$DL"
 "${PIP[@]}" download -q --no-deps "vllm==0.33.0" -d "$DL"
 "${PIP[@]}" install -q --no-deps "$DL"/vllm-0.33.0-*.whl

@@ -65,7 +65,7 @@ def test_missing_peers_are_skipped_and_ours_runs(
     assert names == [
         "prefixflight S3FIFO",
         "prefixflight LRU",
-        "plain-Python minimal block cache (PEERS.md)",
+        "plain-Python minimal block cache",
     ]
     # ours with either policy and the minimal cache do the same work on the engine path
     rates = {r["name"]: r["hit_rate"] for r in engine["rows"]}

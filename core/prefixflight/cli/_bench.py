@@ -1,12 +1,13 @@
-"""Seed 000's four TTFT experiments, measured with our engine on a real model.
+"""The four TTFT experiments of the single-flight prefill study of mini-vllm-rs, measured with
+our engine on a real model.
 
 1. ``warm_prefix``: a document prompt whose first blocks an earlier request cached.
 2. ``incremental_publication``: one request starts; once its first token is out, N more with
    the same prompt arrive while it decodes; publish-per-step against publish-on-completion
    (no flight coordination, so only publication timing differs).
 3. ``single_flight``: N identical requests arrive together under ``independent``,
-   ``on_completion`` and ``after_prefill`` (publication on completion, the seed's baseline;
-   flight leaders publish their prompt when its prefill ends, as the seed's early release does).
+   ``on_completion`` and ``after_prefill`` (publication on completion, the study's baseline;
+   flight leaders publish their prompt when its prefill ends, as the study's early release does).
 4. ``late_arrival``: a second identical request arrives after the first started decoding.
 
 Every run uses a fresh engine (empty cache, fresh scheduler) on one shared runner, so runs
@@ -56,7 +57,7 @@ _QUESTIONS = (
 
 @attrs.frozen(kw_only=True)
 class TTFTBenchConfig:
-    """Sizes of the experiments (the seed's by default) and how often to repeat them."""
+    """Sizes of the experiments (the study's by default) and how often to repeat them."""
 
     repetitions: int = 3
     output_tokens: int = 128
@@ -347,18 +348,19 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
 
 
 def format_tables(report: dict[str, Any]) -> str:
-    """The report as plain-text tables (the seed's layout, our numbers)."""
+    """The report as plain-text tables (the study's layout, our numbers)."""
     lines = [
         f"model {report['model']} on {report['device']} ({report['dtype']}, "
         f"{report['threads']} threads), page size {report['page_size']}, "
         f"{report['output_tokens']} output tokens, median of {report['repetitions']} "
         f"repetition(s)",
     ]
+    sections = iter(range(1, 5))  # number the sections present without gaps (demo runs two)
     warm = report.get("warm_prefix")
     if warm:
         lines += [
             "",
-            "1. Warm document prefix",
+            f"{next(sections)}. Warm document prefix",
             f"   recovered {warm['recovered_tokens']} of {warm['prompt_tokens']} prompt tokens; "
             f"TTFT {_ms(warm['cold_ttft'])} cold -> {_ms(warm['warm_ttft'])} warm "
             f"({_pct(warm['warm_ttft'], warm['cold_ttft'])})",
@@ -383,7 +385,11 @@ def format_tables(report: dict[str, Any]) -> str:
                     _pct(new["mean_ttft"], base["mean_ttft"]),
                 )
             )
-        lines += ["", "2. Incremental publication (N requests arrive while the first decodes)"]
+        lines += [
+            "",
+            f"{next(sections)}. Incremental publication "
+            "(N requests arrive while the first decodes)",
+        ]
         header: tuple[str, ...] = (
             "N",
             "recovered/follower",
@@ -393,8 +399,8 @@ def format_tables(report: dict[str, Any]) -> str:
         )
         lines += _table(header, inc_rows)
     for key, title in (
-        ("single_flight", "3. Single flight (N identical requests arrive together)"),
-        ("late_arrival", "4. Late arrival (a second request arrives while the first decodes)"),
+        ("single_flight", "Single flight (N identical requests arrive together)"),
+        ("late_arrival", "Late arrival (a second request arrives while the first decodes)"),
     ):
         flight_rows = report.get(key)
         if not flight_rows:
@@ -418,7 +424,7 @@ def format_tables(report: dict[str, Any]) -> str:
                 )
             )
         header = ("N", "policy", "recovered/follower", "mean TTFT", "change", "slowest", "change")
-        lines += ["", title, *_table(header, rows)]
+        lines += ["", f"{next(sections)}. {title}", *_table(header, rows)]
     return "\n".join(lines)
 
 

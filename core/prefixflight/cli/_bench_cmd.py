@@ -1,4 +1,5 @@
-"""``prefixflight bench ttft`` (seed 000's TTFT experiments) and ``bench calibrate`` (the
+"""``prefixflight bench ttft`` (the TTFT experiments of the single-flight prefill study of
+mini-vllm-rs) and ``bench calibrate`` (the
 simulator's cost model), on a real model (torch extra).
 
 The torch backend is imported inside the command, so the rest of the CLI never needs torch.
@@ -68,11 +69,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     which = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
     p = which.add_parser(
         "ttft",
-        help="seed 000's TTFT experiments on SmolLM2-135M",
+        help="the single-flight study's TTFT experiments on SmolLM2-135M",
         description=(
-            "Run seed 000's four experiments (warm prefix, incremental publication, single "
-            "flight, late arrival) with prefixflight's engine on SmolLM2-135M-Instruct, "
-            "interleaving strategies, and print medians over repetitions."
+            "Run the four experiments of the single-flight prefill study of mini-vllm-rs "
+            "(warm prefix, incremental publication, single flight, late arrival) with "
+            "prefixflight's engine on SmolLM2-135M-Instruct, interleaving strategies, and "
+            "print medians over repetitions."
         ),
     )
     p.add_argument("--repetitions", type=int, default=3, metavar="N", help="default 3")

@@ -221,7 +221,7 @@ def _num(x: float | None, fmt: str) -> str:
 def format_table(
     baseline: RouterReport, burst: RouterReport, group: str, step: str = "step time"
 ) -> str:
-    """The side-by-side table, as the seed prints it."""
+    """The side-by-side table, as llm-d's burst prefix-affinity PR prints it."""
     rows = [
         (
             f"{group} fully co-located",

@@ -1,4 +1,5 @@
-"""``prefixflight simulate flight``: seed 000's tables, computed by the simulated engine."""
+"""``prefixflight simulate flight``: the tables of the single-flight prefill study of
+mini-vllm-rs, computed by the simulated engine."""
 
 from __future__ import annotations
 
@@ -37,11 +38,12 @@ OVERHEAD_BOUND_PREFILL_DIVISOR = 100
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "flight",
-        help="seed 000's single-flight and incremental-publication tables, simulated",
+        help="the single-flight and incremental-publication experiments, simulated",
         description=(
-            "Run seed 000's experiments on the pure scheduler + coordinator + prefix cache "
-            "with one cost model: step = overhead + prefill_per_token * computed prompt "
-            "tokens + decode_per_request * decodes, calibrated from measured times "
+            "Run the experiments of the single-flight prefill study of mini-vllm-rs on the pure "
+            "scheduler + coordinator + prefix cache with one cost model: step = overhead + "
+            "prefill_per_token * computed prompt tokens + decode_per_request * decodes, "
+            "calibrated from measured times "
             "(defaults: `prefixflight bench calibrate` on SmolLM2-135M, fp32, 2 CPU threads; "
             "each flag given replaces one measured time). Prints markdown tables."
         ),
@@ -262,11 +264,12 @@ def run(args: argparse.Namespace) -> int:
       f"{OVERHEAD_BOUND_PREFILL_DIVISOR}x cheaper\nper token (a GPU-like regime where the "
       "per-step cost dominates).\n\n")  # fmt: skip
     w(_partial(part) + "\n\n")
-    w("**Seed 000's subtler findings vs the decode step's fixed share.** Batch-1 decode and\n")
-    w("the full prefill keep their measured times; the share of the batch-1 decode step that\n")
+    w("**The single-flight study's subtler findings vs the decode step's fixed share.**\n")
+    w("Batch-1 decode and the full prefill keep their measured times; the share of the batch-1\n")
     measured = CostModel.calibrated(**calibration)
     share = measured.step_overhead / (measured.step_overhead + measured.decode_per_request)
-    w(f"does not grow with the batch varies ({share:.2f} is the calibrated split).\n\n")
+    w("decode step that does not grow with the batch varies "
+      f"({share:.2f} is the calibrated split).\n\n")  # fmt: skip
     w(_findings(finds) + "\n")
     if args.json:
         data = {

@@ -1,6 +1,7 @@
-"""Seed 000's experiments, run on the simulated engine (`simulate_engine`).
+"""The experiments of the single-flight prefill study of mini-vllm-rs, run on the simulated
+engine (`simulate_engine`).
 
-Each function builds the workload the seed describes, runs it under each policy and returns
+Each function builds the workload the study describes, runs it under each policy and returns
 one row per (policy, concurrency). Nothing is typed in: recovered tokens, TTFTs and
 completions are whatever the scheduler, coordinator and cost model produce.
 """
@@ -30,7 +31,7 @@ __all__ = [
 
 @attrs.frozen(kw_only=True)
 class FlightSimConfig:
-    """Engine shape shared by every experiment (block size as in the seed: 16)."""
+    """Engine shape shared by every experiment (block size as in the study: 16)."""
 
     block_size: int = 16
     num_pages: int = 8192
@@ -104,8 +105,9 @@ def simulate_incremental_publication(
     prompt_tokens: int = 493,
     output_tokens: int = 128,
 ) -> list[FlightRow]:
-    """Seed: start one request; when it returns its first token, submit ``n`` more with the
-    same prompt while it keeps decoding. No single flight. ``mean_ttft`` is the followers'."""
+    """The study's incremental publication: start one request; when it returns its first token,
+    submit ``n`` more with the same prompt while it keeps decoding. No single flight. ``mean_ttft``
+    is the followers'."""
     prompt = _prompt(prompt_tokens)
     rows = []
     for n in followers:
@@ -144,7 +146,8 @@ def simulate_single_flight(
     output_tokens: int = 128,
     publish: PublishMode = PublishMode.ON_COMPLETION,
 ) -> list[FlightRow]:
-    """Seed: ``n`` identical requests arrive together. The baseline is the seed's
+    """The study's single flight: ``n`` identical requests arrive together. The baseline is the
+    study's
     "independent execution, publish on completion"; the flights publish the leader's prompt
     when its prefill ends."""
     prompt = _prompt(prompt_tokens)
@@ -174,7 +177,7 @@ def simulate_late_arrival(
     after_tokens: int = 16,
     publish: PublishMode = PublishMode.ON_COMPLETION,
 ) -> list[FlightRow]:
-    """Seed: a second identical request arrives once the first has produced
+    """The study's late arrival: a second identical request arrives once the first has produced
     ``after_tokens`` tokens (it is decoding)."""
     prompt = _prompt(prompt_tokens)
     rows = []
@@ -198,7 +201,7 @@ def simulate_late_arrival(
 
 @attrs.frozen(kw_only=True)
 class FindingsRow:
-    """Whether seed 000's subtler findings hold under one cost model."""
+    """Whether the single-flight study's subtler findings hold under one cost model."""
 
     overhead_share: float
     """Fixed share of a batch-1 decode step (0: batching decodes gains nothing)."""

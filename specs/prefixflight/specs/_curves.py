@@ -32,7 +32,8 @@ __all__ = ["LRUCurveConformance", "ReferenceLRUCurve"]
 
 
 class ReferenceLRUCurve:
-    """One `ReferenceLRU` per capacity, each replaying every request (seed 002's hit rule)."""
+    """One `ReferenceLRU` per capacity, each replaying every request (the replay task's hit
+    rule)."""
 
     def __init__(self, capacities: Sequence[int], block_size: int) -> None:
         self.capacities = tuple(capacities)

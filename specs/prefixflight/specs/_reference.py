@@ -1,7 +1,8 @@
-"""Reference models: literal readings of seed 002, slow and obviously right.
+"""Reference models: literal readings of the S3-FIFO prefix-cache replay task, slow and
+obviously right.
 
-They exist to be compared against. Each step reads like the seed's pseudo-code
-(``admit_to_S``, ``admit_to_M``, ``insert_to_G``), plus the edge cases DESIGN.md pins and the
+They exist to be compared against. Each step reads like the task's pseudo-code
+(``admit_to_S``, ``admit_to_M``, ``insert_to_G``), plus the edge cases docs/design.md pins and the
 pinning rules documented on `prefixflight.core.S3FIFO` and `prefixflight.core.LRU`.
 """
 
@@ -53,7 +54,7 @@ class _Pinning:
 
 
 class ReferenceS3FIFO(_Pinning):
-    """S3FIFO exactly as seed 002 writes it: three FIFO queues and a saturating freq."""
+    """S3FIFO exactly as the replay task writes it: three FIFO queues and a saturating freq."""
 
     def __init__(
         self,
@@ -130,7 +131,7 @@ class ReferenceS3FIFO(_Pinning):
         )
 
     def admit_new(self, h: BlockHash, evicted: list[BlockHash]) -> None:
-        if self.small_cap == 0:  # DESIGN.md: straight to main with freq 0
+        if self.small_cap == 0:  # docs/design.md: straight to main with freq 0
             if self.main_cap == 0:  # capacity 0: nothing is resident
                 return
             if not self._main_can_take():
@@ -315,7 +316,7 @@ class ReferenceLRU(_Pinning):
 
 
 class ReferenceReplay:
-    """Seed 002's replay loop, literally: scan the prefix, clamp, access every block."""
+    """The replay task's loop, literally: scan the prefix, clamp, access every block."""
 
     def __init__(self, policy: ReferenceS3FIFO | ReferenceLRU, block_size: int) -> None:
         self.policy = policy

@@ -82,7 +82,8 @@ class EngineConfig:
     - ``release_policy``: when followers of a single flight may start (``AFTER_PREFILL``,
       ``ON_COMPLETION``, or ``INDEPENDENT`` for no coordination).
     - ``incremental_publication``: publish each request's completed pages after every step
-      (True) or only when it finishes (False, the seed's baseline).
+      (True) or only when it finishes (False: the baseline of the single-flight prefill study
+      of mini-vllm-rs).
     - ``num_pages`` / ``page_size``: the KV pool (`AsyncEngine.from_model` allocates it).
     - ``max_batch_tokens``: tokens per step (prefill chunks + one per decode);
       ``max_running``: running requests at most (the decode batch).

@@ -7,8 +7,8 @@ gathered into one right-padded batch cache, one token per request runs in one fo
 with a padding mask and explicit positions, and each new token's KV goes into its page.
 
 Only the public transformers surface is used (``DynamicCache(list_of_kv, config=)``,
-``cache.layers[i].keys/values``, the ``cache=`` keyword, ``logits_to_keep``): the simple,
-exact path that MODEL.md §6 measured. Keys are stored after rotary embedding, as
+``cache.layers[i].keys/values``, the ``cache=`` keyword, ``logits_to_keep``): the simple, exact path
+an earlier plain-transformers prototype measured. Keys are stored after rotary embedding, as
 transformers caches them, so a gathered prefix is exactly what a full prefill would hold.
 """
 

@@ -1,8 +1,8 @@
 """The prefix cache: longest resident prefix over block hashes, on top of an eviction policy.
 
-One object serves trace replay (`PrefixCache.access`, seed 002's semantics) and an engine
-(`publish`, `pin`/`unpin`, `evict`, pages). Pinning and events never change a replay's
-numbers: they only add bookkeeping around the policy's decisions.
+One object serves trace replay (`PrefixCache.access`, the semantics of the S3-FIFO prefix-cache
+replay task) and an engine (`publish`, `pin`/`unpin`, `evict`, pages). Pinning and events never
+change a replay's numbers: they only add bookkeeping around the policy's decisions.
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ class PrefixCache:
 
     # -- replay semantics ----------------------------------------------------------------
     def access(self, blocks: Sequence[BlockHash], num_tokens: int) -> int:
-        """Seed 002's request: scan the resident prefix, then access every block in order.
+        """A replayed request: scan the resident prefix, then access every block in order.
 
         Returns the request's hit tokens and counts it in `stats`. If a block cannot be
         admitted because everything is pinned, `CapacityError` is raised, the request is not

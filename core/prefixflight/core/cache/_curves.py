@@ -7,8 +7,8 @@ An LRU cache of capacity ``C`` holds exactly the ``C`` most recently used distin
 used block, infinite for a block never seen. It is resident under capacity ``C`` exactly when
 its distance is at most ``C``. A request's prefix hit under ``C`` is therefore the number of
 leading blocks whose *running maximum* distance is at most ``C``; its hit tokens are
-``min(k * block_size, input_length)`` as in seed 002. After the scan, every block of the
-request is accessed in order, moving it to the top of the stack.
+``min(k * block_size, input_length)`` as in the S3-FIFO prefix-cache replay task. After the
+scan, every block of the request is accessed in order, moving it to the top of the stack.
 
 Depths are counted over access times: each block marks the time of its last access, and its
 depth is the number of marks at or after that time. Times are grouped in chunks of 1024: a

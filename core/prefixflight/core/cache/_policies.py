@@ -1,9 +1,10 @@
-"""Eviction policies over block hashes: S3FIFO exactly as seed 002 specifies it, and LRU.
+"""Eviction policies over block hashes: S3FIFO exactly as the S3-FIFO
+prefix-cache replay task specifies it, and LRU.
 
 A policy owns *residency*: which blocks are cached and which one goes next. It knows nothing
 about pages, tokens or requests. Both policies support pinning: a pinned block is never
 evicted (see each class for where a pinned block goes instead). Without pins, the behaviour
-is exactly the seed's, so trace replays never depend on the pinning code.
+is exactly the task's, so trace replays never depend on the pinning code.
 """
 
 from __future__ import annotations
@@ -172,7 +173,7 @@ class _Residency:
 
 @final
 class S3FIFO(_Residency):
-    """S3FIFO (Yang et al., SOSP 2023) as seed 002 specifies it, to the letter.
+    """S3FIFO (Yang et al., SOSP 2023) as the S3-FIFO prefix-cache replay task specifies it.
 
     Three FIFO queues: small ``S`` (``round(capacity * small_ratio)``, banker's rounding), main
     ``M`` (the rest) and ghost ``G`` (hashes only, as large as ``M``). A resident hit
@@ -228,7 +229,7 @@ class S3FIFO(_Residency):
         self._small_ratio = small_ratio
         self._max_freq = max_freq
         self._ghost_admit_freq = ghost_admit_freq
-        self._small_cap = round(capacity * small_ratio)  # banker's rounding, as the seed says
+        self._small_cap = round(capacity * small_ratio)  # banker's rounding, as the task says
         self._main_cap = capacity - self._small_cap
         self._freq: dict[BlockHash, int] = {}  # resident blocks (S and M) -> freq
         self._members = self._freq

@@ -1,4 +1,5 @@
-"""Replay a Mooncake trace against a prefix cache: seed 002's report, exactly."""
+"""Replay a Mooncake trace against a prefix cache: the S3-FIFO prefix-cache replay task's
+report, exactly."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Single-flight prefill coordination (seed 000): one leader prefills, identical requests wait.
+"""Single-flight prefill coordination: one leader prefills, identical requests wait.
 
 Identical prompts (same namespace, same tokens) that arrive while a flight is open elect
 one leader that computes the prompt; the others wait as followers and, once released, reuse
@@ -8,7 +8,8 @@ own with its own sampling settings.
 The coordinator is a sans-I/O state machine: `FlightCoordinator.handle` takes one event and
 returns the decisions the host must carry out. Every known request id is in exactly one
 place: leading a flight, waiting in a flight, released (tracked in a plain set until it
-terminates: seed 000's final design, no Draining state), or running independently.
+terminates: the final design of the single-flight prefill study of mini-vllm-rs, no
+Draining state), or running independently.
 """
 
 from __future__ import annotations

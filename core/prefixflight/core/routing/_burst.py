@@ -1,6 +1,7 @@
 """Burst prefix-affinity routing: co-locate prompt-sharing requests that arrive in one window.
 
-A port of llm-d's burst prefix-cache producer (seed 004) as a pure state machine. When a
+A port of llm-d's burst prefix-cache producer (llm-d's burst prefix-affinity PR) as a pure
+state machine. When a
 burst of requests sharing a prompt arrives at once, no replica's cache is warm yet, so a
 prefix-cache scorer sees zero everywhere and load balancing scatters the burst: the shared
 prefix is prefilled on every replica. `BurstRouter` instead collects the arrivals of one batch

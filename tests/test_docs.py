@@ -1,0 +1,79 @@
+"""The docs run as written: every Python block of a tested page, in order, prints the block
+that follows it; and every results file the docs cite is committed."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```\n", re.MULTILINE | re.DOTALL)
+
+
+def blocks(page: Path) -> list[tuple[str, str | None]]:
+    """``(code, expected output)`` for every ``python`` fence; the output is the bare fence
+    that follows it, directly or after the word "prints" (``None`` if none does)."""
+    text = page.read_text(encoding="utf-8")
+    fences = list(FENCE.finditer(text))
+    out: list[tuple[str, str | None]] = []
+    for i, m in enumerate(fences):
+        if m.group(1) != "python":
+            continue
+        expected = None
+        if i + 1 < len(fences):
+            nxt = fences[i + 1]
+            between = text[m.end() : nxt.start()].strip()
+            if nxt.group(1) == "" and between in ("", "prints"):
+                expected = nxt.group(2)
+        out.append((m.group(2), expected))
+    return out
+
+
+def run_blocks(page: Path, found: Sequence[tuple[str, str | None]]) -> None:
+    namespace: dict[str, object] = {"__name__": f"doc_{page.stem}"}
+    for n, (code, expected) in enumerate(found):
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            exec(compile(code, f"{page.name}:block{n}", "exec"), namespace)
+        assert buf.getvalue() == (expected or ""), f"block {n} of {page.name} printed otherwise"
+
+
+def test_embedding_page_runs_and_prints_what_it_shows() -> None:
+    pytest.importorskip("hypothesis")  # FakeBackend lives in prefixflight.specs
+    page = DOCS / "embedding.md"
+    found = blocks(page)
+    assert len(found) >= 4, "the page lost its examples"
+    run_blocks(page, found)  # every block, in order, in one namespace
+
+
+@pytest.mark.parametrize("name", ["README.md", "docs/flight.md", "docs/router.md"])
+def test_examples_with_shown_output_print_it(name: str) -> None:
+    page = ROOT / name
+    found = [(code, out) for code, out in blocks(page) if out is not None]
+    assert found, f"{name} lost its examples"
+    run_blocks(page, found)
+
+
+def test_block_extraction_pairs_code_with_its_output(tmp_path: Path) -> None:
+    page = tmp_path / "p.md"
+    page.write_text(
+        "```python\nprint(1)\n```\n\n```\n1\n```\n\ntext\n\n```python\nx = 2\n```\n"
+        "\nprose\n\n```\nnot output\n```\n",
+        encoding="utf-8",
+    )
+    assert blocks(page) == [("print(1)\n", "1\n"), ("x = 2\n", None)]
+
+
+def test_results_cited_by_the_docs_are_committed() -> None:
+    cited: set[str] = set()
+    for page in [ROOT / "README.md", *DOCS.glob("*.md")]:
+        cited.update(re.findall(r"docs/results/[\w.-]+\.json", page.read_text(encoding="utf-8")))
+    assert cited, "no page cites a results file"
+    missing = sorted(c for c in cited if not (ROOT / c).is_file())
+    assert missing == []
