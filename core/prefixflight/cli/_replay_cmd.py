@@ -154,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
             args.parser.error(_MISSING_CAPACITY)
         try:
             config = ReplayConfig.from_mapping(data, **flags)
+            config.make_policy()
         except ConfigError as exc:
             raise ConfigError(f"config {args.config!r} with the flags given: {exc}") from None
     else:
@@ -161,6 +162,7 @@ def run(args: argparse.Namespace) -> int:
             args.parser.error(_MISSING_CAPACITY)
         with usage_errors(args.parser):  # e.g. --ghost-admit-freq above --max-freq
             config = ReplayConfig.from_mapping({}, **flags)
+            config.make_policy()
     with read_trace(args.trace, skip_invalid=args.skip_invalid) as reader:
         records = progress(reader, desc="replay", unit="req", quiet=args.quiet)
         report = replay(records, config, per_request=args.per_request)
