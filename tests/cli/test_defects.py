@@ -36,13 +36,14 @@ def cli(
     if shell_redirect:
         argv = ["sh", "-c", f'exec "$@" {shell_redirect}', "sh", *argv]
     kwargs.setdefault("stdout", subprocess.PIPE)
-    return subprocess.run(
+    proc: subprocess.CompletedProcess[bytes] = subprocess.run(
         argv,
         input=stdin,
         stderr=subprocess.PIPE,
         timeout=TIMEOUT,
         **kwargs,  # type: ignore[call-overload]
     )
+    return proc
 
 
 def one_line_error(proc: subprocess.CompletedProcess[bytes], status: int, *fragments: str) -> str:

@@ -7,9 +7,8 @@ sub-parsers (see ``_simulate_cmd.SIMULATIONS``).
 from __future__ import annotations
 
 import argparse
-import random
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefixflight.core import (
     ApproxPrefixConfig,
@@ -21,14 +20,6 @@ from prefixflight.core import (
     ReplicaLoad,
     Router,
 )
-from prefixflight.sim import (
-    ClusterConfig,
-    RouterReport,
-    Workload,
-    grpo_workload,
-    simulate_cluster,
-    trace_workload,
-)
 
 from ._args import (
     at_least,
@@ -39,6 +30,9 @@ from ._args import (
 )
 from ._io import read_trace, write_atomic, write_stdout
 from ._progress import progress
+
+if TYPE_CHECKING:  # the simulator is imported by the functions that run it, not at start-up
+    from prefixflight.sim import ClusterConfig, RouterReport, Workload
 
 __all__ = ["build_routers", "describe", "format_table", "register_router", "run_router"]
 
@@ -238,6 +232,10 @@ def register_router(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def _workload(args: argparse.Namespace) -> Workload:
+    import random
+
+    from prefixflight.sim import grpo_workload, trace_workload
+
     rng = random.Random(args.seed)
     if args.trace:
         block = 512 if args.block_size is None else args.block_size
@@ -274,6 +272,8 @@ def build_routers(
     seed: int,
 ) -> tuple[Router, Router]:
     """The baseline router and the burst router in front of an identical baseline."""
+
+    import random
 
     def baseline() -> Router:
         rng = random.Random(seed)
@@ -359,6 +359,8 @@ def describe(args: argparse.Namespace, workload: Workload, cluster: ClusterConfi
 
 
 def run_router(args: argparse.Namespace) -> int:
+    from prefixflight.sim import ClusterConfig, simulate_cluster
+
     route_block = args.block_size if args.block_size is not None else (
         512 if args.trace else 64
     )  # fmt: skip

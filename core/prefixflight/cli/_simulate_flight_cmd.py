@@ -6,22 +6,15 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from prefixflight.core import ConfigError
-from prefixflight.sim import (
-    CostModel,
-    FindingsRow,
-    FlightRow,
-    FlightSimConfig,
-    simulate_findings,
-    simulate_incremental_publication,
-    simulate_late_arrival,
-    simulate_partial_prefix,
-    simulate_single_flight,
-)
 
 from ._args import at_least, output_file, positive_float, ratio, usage_errors
 from ._io import write_atomic, write_stdout
+
+if TYPE_CHECKING:  # the simulations are imported by `run`, not at start-up
+    from prefixflight.sim import FindingsRow, FlightRow
 
 __all__ = ["register", "run"]
 
@@ -210,6 +203,16 @@ def _findings(rows: Sequence[FindingsRow]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from prefixflight.sim import (
+        CostModel,
+        FlightSimConfig,
+        simulate_findings,
+        simulate_incremental_publication,
+        simulate_late_arrival,
+        simulate_partial_prefix,
+        simulate_single_flight,
+    )
+
     if args.late_after_tokens >= args.output_tokens:
         args.parser.error(
             f"--late-after-tokens must be < --output-tokens ({args.output_tokens}), "
