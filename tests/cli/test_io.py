@@ -17,7 +17,7 @@ def test_bundled_traces_are_read_from_a_zipped_install(tmp_path: Path) -> None:
     with zipfile.ZipFile(archive, "w") as zf:
         zf.writestr("prefixflight/", "")  # the namespace package's folder entry
         for package in (prefixflight.cli, prefixflight.core):
-            root = Path(package.__file__).parent
+            root = Path(str(package.__file__)).parent
             for path in root.rglob("*"):
                 if path.is_file() and "__pycache__" not in path.parts:
                     zf.write(path, Path("prefixflight", root.name, path.relative_to(root)))
