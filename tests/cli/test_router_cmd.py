@@ -75,11 +75,10 @@ def test_prints_the_workload_and_settings_it_ran(
     assert main([*argv, "--json", str(out)]) == 0
     head = capsys.readouterr().out.split("\n\n")[0]
     doc = json.loads(out.read_text())["workload"]
-    assert f"2 steps x 4 prompts x 8 samples = {doc['requests']} requests" in head
-    assert "prompts 64-128 tokens" in head and "outputs 4-16" in head and "seed 0" in head
+    assert f"2 steps x 4 prompts x 8 samples = {doc['requests']} requests, seed 0" in head
+    assert "prompts 64-128 tokens" in head and "outputs 4-16" in head
     assert "4 replicas, 65536 cache blocks of 16 tokens" in head
-    assert "baseline: approx (index lag 10 ms)" in head
-    assert (
-        "burst: window 50 ms, k -1, blocks of 64 tokens, max prefix tokens 0, "
-        "min colocate blocks 2, max batch size 1000, balance by tokens"
-    ) in head
+    assert "baseline router: approx (index lag 10 ms)" in head
+    assert "burst router: window 50 ms, k -1, blocks of 64 tokens, max prefix tokens 0" in head
+    assert "min colocate blocks 2, max batch size 1000, balance by tokens" in head
+    assert max(len(line) for line in head.splitlines()) <= 100

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, NoReturn
@@ -71,7 +72,8 @@ class VersionAction(argparse.Action):
             text = version("prefixflight")
         except PackageNotFoundError:  # run from a source tree that is not installed
             text = "unknown (not installed)"
-        parser.exit(message=f"{parser.prog} {text}\n")
+        parser._print_message(f"{parser.prog} {text}\n", sys.stdout)  # stdout, as argparse's
+        parser.exit()
 
 
 def at_least(minimum: int) -> Callable[[str], int]:

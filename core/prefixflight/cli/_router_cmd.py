@@ -330,30 +330,30 @@ def describe(args: argparse.Namespace, workload: Workload, cluster: ClusterConfi
     if d.get("kind") == "grpo":
         what = (
             f"workload: GRPO rollouts, {d['steps']} steps x {d['prompts_per_step']} prompts x "
-            f"{d['samples']} samples = {d['requests']} requests; prompts "
-            f"{d['prompt_tokens'][0]}-{d['prompt_tokens'][1]} tokens (shared prefix "
+            f"{d['samples']} samples = {d['requests']} requests, seed {args.seed};\n"
+            f"  prompts {d['prompt_tokens'][0]}-{d['prompt_tokens'][1]} tokens (shared prefix "
             f"{d['shared_prefix_tokens']}), outputs {d['output_tokens'][0]}-"
-            f"{d['output_tokens'][1]}, each step within {d['burst_s'] * 1e3:g} ms; "
-            f"seed {args.seed}"
+            f"{d['output_tokens'][1]}, each step within {d['burst_s'] * 1e3:g} ms"
         )
     else:
         what = (
             f"workload: trace {args.trace}, {d['records']} records x {d['clones']} clones = "
-            f"{d['requests']} requests, clones within {d['jitter_s'] * 1e3:g} ms, time x "
-            f"{d['time_scale']:g}; seed {args.seed}"
+            f"{d['requests']} requests, seed {args.seed};\n  clones within "
+            f"{d['jitter_s'] * 1e3:g} ms, time x {d['time_scale']:g}"
         )
     lines = [
         what,
         f"cluster: {cluster.replicas} replicas, {cluster.cache_capacity_blocks} cache blocks "
-        f"of {cluster.engine_block_size} tokens each, prefill "
+        f"of {cluster.engine_block_size} tokens each,\n  prefill "
         f"{cluster.prefill_s_per_token * 1e6:g} us/token, decode step "
         f"{cluster.decode_s_per_step * 1e3:g} ms",
-        f"baseline: {args.baseline}"
+        f"baseline router: {args.baseline}"
         + (f" (index lag {args.index_lag_ms:g} ms)" if args.baseline == "approx" else ""),
-        f"burst: window {burst.window_ms} ms, k {burst.max_per_replica}, blocks of "
+        f"burst router: window {burst.window_ms} ms, k {burst.max_per_replica}, blocks of "
         f"{burst.block_size_tokens} tokens, max prefix tokens "
-        f"{burst.max_prefix_tokens_to_match}, min colocate blocks {burst.min_colocate_blocks}, "
-        f"max batch size {burst.max_batch_size}, balance by {burst.balance_by}",
+        f"{burst.max_prefix_tokens_to_match},\n  min colocate blocks "
+        f"{burst.min_colocate_blocks}, max batch size {burst.max_batch_size}, balance by "
+        f"{burst.balance_by}",
     ]
     return "\n".join(lines)
 
