@@ -1,11 +1,11 @@
 """Whole-process cost of ``prefixflight replay`` against a standard-library replay script.
 
 Times, as separate processes and interleaved in rotating order, ``prefixflight replay TRACE
---capacity-blocks N -q`` and ``benchmarks/stdlib_replay.py`` (about 150 lines, standard library
-only) doing the same replay, plus ``python -c pass`` and ``python -c "import prefixflight.core"``
-to show where the time goes. Checks that both replays print the same numbers, prints a table
-of medians and the ratio (stdlib script time / ours: above 1 means ours is faster) and writes
-JSON.
+--capacity-blocks N`` (the installed console script) and ``benchmarks/stdlib_replay.py``
+(about 150 lines, standard library only) doing the same replay, plus ``python -c pass`` and
+``python -c "import prefixflight.core"`` to show where the time goes. Checks that both
+replays print the same numbers, prints a table of medians and the ratio (stdlib script time
+/ ours: above 1 means ours is faster) and writes JSON.
 
     python benchmarks/startup.py [--trace bundled:conversation] [--capacity 4096]
                                  [--rounds 9] [--json docs/results/startup.json]
@@ -38,12 +38,21 @@ def _bundled_path(spec: str) -> str:
     return str(Path(prefixflight.cli.__file__).parent / "data" / name)
 
 
+def prefixflight_command() -> list[str]:
+    """The installed ``prefixflight`` console script beside this interpreter, as a user runs
+    it; ``python -m prefixflight.cli`` (which also pays for runpy) if there is none."""
+    script = Path(sys.executable).with_name("prefixflight")
+    if script.is_file() and os.access(script, os.X_OK):
+        return [str(script)]
+    return [sys.executable, "-m", "prefixflight.cli"]
+
+
 def commands(trace: str, capacity: int) -> dict[str, list[str]]:
     py = sys.executable
     cap = str(capacity)
     return {
-        "prefixflight replay": [py, "-m", "prefixflight.cli", "replay", trace,
-                                "--capacity-blocks", cap, "-q"],
+        "prefixflight replay": [*prefixflight_command(), "replay", trace,
+                                "--capacity-blocks", cap],
         "stdlib_replay.py": [py, str(HERE / "stdlib_replay.py"), _bundled_path(trace),
                              "--capacity-blocks", cap],
         "python -c pass": [py, "-c", "pass"],
