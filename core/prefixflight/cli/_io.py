@@ -128,6 +128,23 @@ def open_trace(spec: str | Path) -> Iterator[Iterable[bytes]]:
             yield fh
 
 
+def _checked_lines(stream: Iterable[bytes], name: str) -> Iterator[bytes]:
+    """The stream's lines; a read error (corrupt gzip data, an I/O error) becomes one
+    `InputError` naming the file and the last line read."""
+    number = 0
+    try:
+        for number, line in enumerate(stream, start=1):  # noqa: B007 (named in errors)
+            yield line
+    except (gzip.BadGzipFile, zlib.error, EOFError) as exc:
+        raise InputError(
+            f"{name}: corrupt or truncated gzip data after line {number} "
+            f"({str(exc) or type(exc).__name__})"
+        ) from None
+    except OSError as exc:
+        reason = exc.strerror or exc
+        raise InputError(f"{name}: cannot read after line {number}: {reason}") from None
+
+
 @contextmanager
 def read_trace(spec: str | Path, *, skip_invalid: bool = False) -> Iterator[TraceReader]:
     """A streaming `TraceReader` over a trace file; errors name the file and line.
@@ -138,18 +155,7 @@ def read_trace(spec: str | Path, *, skip_invalid: bool = False) -> Iterator[Trac
     """
     name = "<stdin>" if spec == "-" else str(spec)
     with open_trace(spec) as fh:
-        reader = TraceReader(fh, source=name, skip_invalid=skip_invalid)
-        try:
-            yield reader
-        except (gzip.BadGzipFile, zlib.error, EOFError) as exc:
-            raise InputError(
-                f"{name}: corrupt or truncated gzip data after line {reader.lines_read} "
-                f"({str(exc) or type(exc).__name__})"
-            ) from None
-        except OSError as exc:
-            raise InputError(
-                f"{name}: cannot read after line {reader.lines_read}: {exc.strerror or exc}"
-            ) from None
+        yield TraceReader(_checked_lines(fh, name), source=name, skip_invalid=skip_invalid)
 
 
 def _mode_for(path: Path) -> int:
