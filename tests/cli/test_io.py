@@ -50,3 +50,13 @@ def test_a_reader_that_goes_away_ends_the_command_quietly() -> None:
         err = proc.stderr.read()
         assert proc.wait(timeout=120) == 0
     assert err == b""
+
+
+def test_a_closed_stderr_does_not_stop_the_command() -> None:
+    argv = [sys.executable, "-m", "prefixflight.cli", "replay", "bundled:synthetic",
+            "--capacity-blocks", "8"]  # fmt: skip
+    proc = subprocess.run(
+        ["sh", "-c", 'exec "$@" 2>&-', "sh", *argv], capture_output=True, timeout=120
+    )
+    assert proc.returncode == 0
+    assert b'"total_requests": 3993' in proc.stdout

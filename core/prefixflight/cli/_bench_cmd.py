@@ -222,7 +222,7 @@ def measure_ttft(
         device=loaded.model.device,
         dtype=loaded.model.dtype,
     )
-    if not args.quiet:
+    if not args.quiet and sys.stderr is not None:
         print(
             f"{label}: {loaded.name} loaded in {time.perf_counter() - started:.1f} s, "
             f"{runner.pool!r}",
@@ -232,7 +232,8 @@ def measure_ttft(
         before(runner, loaded.tokenizer)
     bench.warm_up(runner, loaded.tokenizer, config)
     runs = bench.plan_runs(config)
-    log = not args.quiet and not sys.stderr.isatty()  # no bar off a terminal: log lines
+    # no bar off a terminal: log lines (none if stderr is closed)
+    log = not args.quiet and sys.stderr is not None and not sys.stderr.isatty()
     results = []
     for i, run in enumerate(
         progress(runs, desc=label, unit="run", total=len(runs), quiet=args.quiet), 1
