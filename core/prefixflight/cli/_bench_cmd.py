@@ -1,5 +1,6 @@
-"""``prefixflight bench ttft`` (the TTFT experiments of the single-flight prefill study) and
-``bench calibrate`` (the simulator's cost model), on a real model (torch extra).
+"""``prefixflight bench ttft`` (the TTFT experiments of the single-flight prefill study of
+mini-vllm-rs) and ``bench calibrate`` (the
+simulator's cost model), on a real model (torch extra).
 
 The torch backend is imported inside the command, so the rest of the CLI never needs torch.
 """

@@ -1,7 +1,7 @@
 """``prefixflight demo``: the bundled model answers a question, then a short version of the
-warm-prefix and single-flight experiments of the single-flight prefill study runs and prints
-its tables (about a minute on a 2-core CPU). Needs the torch extra; the backend is imported
-inside the command."""
+warm-prefix and single-flight experiments of the single-flight prefill study of mini-vllm-rs
+runs and prints its tables (about a minute on a 2-core CPU). Needs the torch extra; the backend
+is imported inside the command."""
 
 from __future__ import annotations
 

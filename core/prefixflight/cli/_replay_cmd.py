@@ -1,4 +1,4 @@
-"""``prefixflight replay TRACE``: the S3-FIFO prefix-cache replay task's report as JSON."""
+"""``prefixflight replay TRACE``: the report of the S3-FIFO prefix-cache replay task, as JSON."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""``prefixflight simulate flight``: the single-flight prefill study's tables, computed by the
-simulated engine."""
+"""``prefixflight simulate flight``: the tables of the single-flight prefill study of
+mini-vllm-rs, computed by the simulated engine."""
 
 from __future__ import annotations
 
@@ -279,9 +279,9 @@ def run(args: argparse.Namespace) -> int:
             )
         text.append(_partial(rows) + "\n\n")
     text += [
-        "**The study's subtler findings vs the decode step's fixed share.** Batch-1 decode "
-        "and\nthe full prefill keep their measured times; the share of the batch-1 decode "
-        "step that\ndoes not grow with the batch varies "
+        "**The single-flight study's subtler findings vs the decode step's fixed share.**\n"
+        "Batch-1 decode and the full prefill keep their measured times; the share of the batch-1\n"
+        "decode step that does not grow with the batch varies "
         f"({share:.2f} is the calibrated split).\n\n",
         _findings(finds) + "\n",
     ]
