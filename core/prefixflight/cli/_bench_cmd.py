@@ -82,7 +82,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     which = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
     p = which.add_parser(
         "ttft",
-        help="the single-flight prefill study's TTFT experiments on SmolLM2-135M",
+        help="the single-flight study's TTFT experiments on SmolLM2-135M",
         description=(
             "Run the four experiments of the single-flight prefill study of mini-vllm-rs "
             "(warm prefix, incremental publication, single flight, late arrival) with "
