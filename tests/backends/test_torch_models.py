@@ -98,12 +98,29 @@ def test_smollm2_reuse_equals_full_prefill_and_greedy_matches(smollm2: Any) -> N
     assert generated == reference
 
 
+def test_importing_the_backend_leaves_the_environment_alone() -> None:
+    """A library import must not change os.environ (the CLI sets OMP_WAIT_POLICY itself)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    code = (
+        "import os, sys; before = dict(os.environ); import prefixflight.backends.torch; "
+        "print(dict(os.environ) == before, 'torch' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env
+    )
+    assert out.stdout.split() == ["True", "True"]
+
+
 @pytest.mark.parametrize(("preset", "expected"), [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
-def test_importing_the_backend_sets_a_passive_omp_wait_policy(
+def test_the_cli_torch_entry_point_sets_a_passive_omp_wait_policy_before_torch_loads(
     preset: str | None, expected: str
 ) -> None:
-    """The CPU entry point sets OMP_WAIT_POLICY=PASSIVE before torch loads, unless the user
-    chose a policy."""
+    """The CLI's torch commands set OMP_WAIT_POLICY=PASSIVE before torch loads, unless the
+    user chose a policy."""
     import os
     import subprocess
     import sys
@@ -112,10 +129,11 @@ def test_importing_the_backend_sets_a_passive_omp_wait_policy(
     if preset is not None:
         env["OMP_WAIT_POLICY"] = preset
     code = (
-        "import os, sys; import prefixflight.backends.torch; "
+        "import os, sys; from prefixflight.cli._bench_cmd import backend; "
+        "print('torch' in sys.modules, end=' '); backend(); "
         "print(os.environ['OMP_WAIT_POLICY'], 'torch' in sys.modules)"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env
     )
-    assert out.stdout.split() == [expected, "True"]
+    assert out.stdout.split() == ["False", expected, "True"]

@@ -120,8 +120,8 @@ def test_skip_invalid_reports_skipped_lines(
         (["replay", "x.jsonl", "--capacity-blocks", "four"], 2, "'four'"),
         (["replay", "missing.jsonl", "--capacity-blocks", "4"], 1, "missing.jsonl"),
         (["replay", "bundled:nope", "--capacity-blocks", "4"], 1, "'nope'"),
-        (["replay", "bundled:synthetic", "--capacity-blocks", "-4"], 1, "-4"),
-        (["replay", "bundled:synthetic", "--capacity-blocks", "4", "--small-ratio", "2"], 1, "2.0"),
+        (["replay", "bundled:synthetic", "--capacity-blocks", "-4"], 2, "-4"),
+        (["replay", "bundled:synthetic", "--capacity-blocks", "4", "--small-ratio", "2"], 2, "'2'"),
         (
             ["replay", "bundled:synthetic", "--capacity-blocks", "4", "--config", "nope.json"],
             1,

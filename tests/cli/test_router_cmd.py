@@ -52,12 +52,33 @@ def test_replays_a_bundled_trace_with_a_burst_overlay(capsys: pytest.CaptureFixt
     assert "clone groups fully co-located" in capsys.readouterr().out
 
 
-def test_bad_config_exits_1_naming_the_value(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main([*SMALL, "--window-ms", "0"]) == 1
-    assert "window_ms must be in 1..10000, got 0" in capsys.readouterr().err
+def test_a_flag_value_the_config_rejects_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        main([*SMALL, "--window-ms", "20000"])
+    assert info.value.code == 2
+    assert "window_ms must be in 1..10000, got 20000" in capsys.readouterr().err
 
 
 def test_bad_span_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         main([*SMALL, "--prompt-tokens", "a:b"])
     assert info.value.code == 2
+
+
+def test_prints_the_workload_and_settings_it_ran(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "r.json"
+    argv = [*SMALL, "--window-ms", "50", "--min-colocate-blocks", "2", "--balance-by", "tokens"]
+    assert main([*argv, "--json", str(out)]) == 0
+    head = capsys.readouterr().out.split("\n\n")[0]
+    doc = json.loads(out.read_text())["workload"]
+    assert f"2 steps x 4 prompts x 8 samples = {doc['requests']} requests, seed 0" in head
+    assert "prompts 64-128 tokens" in head and "outputs 4-16" in head
+    assert "4 replicas, 65536 cache blocks of 16 tokens" in head
+    assert "baseline router: approx (index lag 10 ms)" in head
+    assert "burst router: window 50 ms, k -1, blocks of 64 tokens, max prefix tokens 0" in head
+    assert "min colocate blocks 2, max batch size 1000, balance by tokens" in head
+    assert max(len(line) for line in head.splitlines()) <= 100

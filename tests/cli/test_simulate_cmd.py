@@ -94,8 +94,10 @@ def test_simulate_needs_a_simulation(capsys: pytest.CaptureFixture[str]) -> None
         ["--prefill-tokens", "0"],
     ],
 )
-def test_bad_options_exit_1(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["simulate", "flight", *args]) == 1
+def test_bad_options_are_usage_errors(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["simulate", "flight", *args])
+    assert info.value.code == 2
     assert "error" in capsys.readouterr().err
 
 

@@ -104,13 +104,15 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("argv", "status", "message"),
     [
-        (["sweep", "-", "--capacities", "4"], 1, "give a file"),
+        (["sweep", "-", "--capacities", "4"], 2, "give a file"),
         (["sweep", "missing.jsonl", "--capacities", "4", "--policy", "lru"], 1, "missing.jsonl"),
         (["sweep", "x", "--capacities", "4,big"], 2, "'big'"),
         (["sweep", "x", "--capacities", "-3"], 2, "-3"),
         (["sweep", "x", "--capacities", "4", "--policy", "lfu"], 2, "'lfu'"),
-        (["sweep", "x", "--capacities", "4", "--block-size", "0"], 1, "block_size"),
-        (["sweep", "x", "--capacities", "4", "--jobs", "0"], 1, "--jobs"),
+        (["sweep", "x", "--capacities", "4", "--block-size", "0"], 2, "--block-size"),
+        (["sweep", "x", "--capacities", "4", "--jobs", "0"], 2, "--jobs"),
+        (["sweep", "x", "--capacities", "4", "--ghost-admit-freq", "4"], 2, "ghost_admit_freq"),
+        (["sweep", "x", "--capacities", "4", "--json", ""], 2, "--json"),
     ],
 )
 def test_bad_input_exits_with_a_message(

@@ -8,19 +8,28 @@ The torch backend is imported inside the command, so the rest of the CLI never n
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from prefixflight.core import UsageError
 
+from ._args import at_least, output_file
+from ._io import write_atomic, write_stdout
 from ._progress import progress
 
-__all__ = ["backend", "emit", "measure_ttft", "register", "run_calibrate", "run_ttft"]
+__all__ = [
+    "backend",
+    "emit",
+    "measure_ttft",
+    "prepare_torch_process",
+    "register",
+    "run_calibrate",
+    "run_ttft",
+]
 
 EXPERIMENTS = ("warm_prefix", "incremental_publication", "single_flight", "late_arrival")
 
@@ -47,16 +56,20 @@ def _experiments(value: str) -> tuple[str, ...]:
 
 def add_model_options(p: argparse.ArgumentParser) -> None:
     """Options shared by ``bench ttft`` and ``demo``."""
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
-    p.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (CUDA default)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    p.add_argument(
+        "--dtype", default=None, help="float32 (the CPU default) or bfloat16 (the CUDA default)"
+    )
     p.add_argument(
         "--threads",
-        type=int,
+        type=at_least(1),
         default=None,
         metavar="N",
         help="torch CPU threads (default: torch's choice, the core count)",
     )
-    p.add_argument("--json", metavar="FILE", help="also write the report as JSON here")
+    p.add_argument(
+        "--json", type=output_file, metavar="FILE", help="also write the report as JSON here"
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
 
 
@@ -77,28 +90,40 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             "print medians over repetitions."
         ),
     )
-    p.add_argument("--repetitions", type=int, default=3, metavar="N", help="default 3")
-    p.add_argument("--output-tokens", type=int, default=128, metavar="N", help="default 128")
+    p.add_argument(
+        "--repetitions",
+        type=at_least(1),
+        default=3,
+        metavar="N",
+        help="repetitions of every run; the tables show medians",
+    )
+    p.add_argument(
+        "--output-tokens",
+        type=at_least(1),
+        default=128,
+        metavar="N",
+        help="tokens every request generates",
+    )
     p.add_argument(
         "--experiments",
         type=_experiments,
-        default=EXPERIMENTS,
+        default=",".join(EXPERIMENTS),
         metavar="LIST",
         help="comma-separated subset of " + ", ".join(EXPERIMENTS),
     )
     p.add_argument(
         "--concurrency",
         type=_sizes,
-        default=(2, 4, 8),
+        default="2,4,8",
         metavar="LIST",
-        help="request counts for experiments 2 and 3 (default 2,4,8)",
+        help="request counts for the incremental-publication and single-flight experiments",
     )
     p.add_argument(
         "--max-batch-tokens",
-        type=int,
+        type=at_least(1),
         default=1024,
         metavar="N",
-        help="scheduler token budget per step (default 1024)",
+        help="the scheduler's token budget per step",
     )
     add_model_options(p)
     p.set_defaults(func=run_ttft, parser=p)
@@ -114,37 +139,59 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             "reproduce it in `prefixflight simulate flight`."
         ),
     )
-    c.add_argument("--repetitions", type=int, default=5, metavar="N", help="default 5")
+    c.add_argument(
+        "--repetitions",
+        type=at_least(1),
+        default=5,
+        metavar="N",
+        help="interleaved repetitions of every measurement",
+    )
     c.add_argument(
         "--prefill-lengths",
         type=_sizes,
-        default=(16, 64, 128, 256, 384, 500),
+        default="16,64,128,256,384,500",
         metavar="LIST",
-        help="cold prefill lengths; the largest is the full prompt (default 16,64,128,256,384,500)",
+        help="cold prefill lengths; the largest is the full prompt",
     )
     c.add_argument(
         "--decode-batches",
         type=_sizes,
-        default=(1, 2, 4, 8),
+        default="1,2,4,8",
         metavar="LIST",
-        help="decode batch sizes (default 1,2,4,8)",
+        help="decode batch sizes",
     )
-    c.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
-    c.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (CUDA default)")
-    c.add_argument("--threads", type=int, default=2, metavar="N", help="torch CPU threads (2)")
-    c.add_argument("--json", metavar="FILE", help="also write the report as JSON here")
+    c.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    c.add_argument(
+        "--dtype", default=None, help="float32 (the CPU default) or bfloat16 (the CUDA default)"
+    )
+    c.add_argument("--threads", type=at_least(1), default=2, metavar="N", help="torch CPU threads")
+    c.add_argument(
+        "--json", type=output_file, metavar="FILE", help="also write the report as JSON here"
+    )
     c.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     c.set_defaults(func=run_calibrate, parser=c)
+
+
+def prepare_torch_process() -> None:
+    """Process settings for a command that runs torch; call before torch is imported.
+
+    ``OMP_WAIT_POLICY=PASSIVE`` (unless the user set a policy): OpenMP reads it once, when
+    torch loads. With the default spinning policy any other busy process on a small machine
+    turns a 0.7 s prefill into 8-14 s; the passive policy costs nothing on a quiet machine.
+    The library never changes the environment; this entry point does, for its own process.
+    """
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def backend() -> ModuleType:
     """The torch backend's benchmark module; `UsageError` if the torch extra is missing.
 
-    The backend sets ``OMP_WAIT_POLICY=PASSIVE`` before it imports torch, so it must be
-    imported before anything else imports torch.
+    Prepares the process for torch first (`prepare_torch_process`), so call it before
+    anything else imports torch.
     """
+    prepare_torch_process()
     try:
-        import prefixflight.backends.torch  # noqa: F401  (before torch: see above)
+        import prefixflight.backends.torch  # noqa: F401  (a clear error if the extra is missing)
         from prefixflight.cli import _bench
     except ImportError as exc:
         raise UsageError(
@@ -166,8 +213,6 @@ def measure_ttft(
     from prefixflight.backends.torch import TransformersRunner, load_smollm2
 
     if args.threads is not None:
-        if args.threads < 1:
-            raise UsageError(f"--threads must be >= 1, got {args.threads!r}")
         bench.set_threads(args.threads)
     started = time.perf_counter()
     loaded = load_smollm2(device=None if args.device == "auto" else args.device, dtype=args.dtype)
@@ -178,7 +223,7 @@ def measure_ttft(
         device=loaded.model.device,
         dtype=loaded.model.dtype,
     )
-    if not args.quiet:
+    if not args.quiet and sys.stderr is not None:
         print(
             f"{label}: {loaded.name} loaded in {time.perf_counter() - started:.1f} s, "
             f"{runner.pool!r}",
@@ -188,7 +233,8 @@ def measure_ttft(
         before(runner, loaded.tokenizer)
     bench.warm_up(runner, loaded.tokenizer, config)
     runs = bench.plan_runs(config)
-    log = not args.quiet and not sys.stderr.isatty()  # no bar off a terminal: log lines
+    # no bar off a terminal: log lines (none if stderr is closed)
+    log = not args.quiet and sys.stderr is not None and not sys.stderr.isatty()
     results = []
     for i, run in enumerate(
         progress(runs, desc=label, unit="run", total=len(runs), quiet=args.quiet), 1
@@ -211,12 +257,11 @@ def measure_ttft(
 
 
 def emit(report: dict[str, Any], args: argparse.Namespace) -> None:
-    sys.stdout.write(backend().format_tables(report) + "\n")
+    write_stdout(backend().format_tables(report) + "\n")
     if args.json:
-        try:
-            Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-        except OSError as exc:
-            raise UsageError(f"cannot write {args.json!r}: {exc.strerror or exc}") from None
+        import json
+
+        write_atomic(args.json, json.dumps(report, indent=2) + "\n")
 
 
 def run_ttft(args: argparse.Namespace) -> int:
@@ -233,8 +278,6 @@ def run_ttft(args: argparse.Namespace) -> int:
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
-    if args.threads < 1:
-        raise UsageError(f"--threads must be >= 1, got {args.threads!r}")
     bench = backend()  # sets OMP_WAIT_POLICY before torch loads
     from prefixflight.backends.torch import TransformersRunner, load_smollm2
     from prefixflight.cli import _calibrate as cal
@@ -271,10 +314,9 @@ def run_calibrate(args: argparse.Namespace) -> int:
         )
     )
     report["wall_seconds"] = round(time.perf_counter() - started, 1)
-    sys.stdout.write(cal.format_report(report) + "\n")
+    write_stdout(cal.format_report(report) + "\n")
     if args.json:
-        try:
-            Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-        except OSError as exc:
-            raise UsageError(f"cannot write {args.json!r}: {exc.strerror or exc}") from None
+        import json
+
+        write_atomic(args.json, json.dumps(report, indent=2) + "\n")
     return 0

@@ -6,11 +6,11 @@ is imported inside the command."""
 from __future__ import annotations
 
 import argparse
-import asyncio
-import sys
 from typing import Any
 
+from ._args import at_least
 from ._bench_cmd import add_model_options, backend, emit, measure_ttft
+from ._io import write_stdout
 
 __all__ = ["register", "run"]
 
@@ -27,7 +27,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             "and 1/2/4 identical requests under independent, on_completion and after_prefill."
         ),
     )
-    p.add_argument("--repetitions", type=int, default=1, metavar="N", help="default 1")
+    p.add_argument(
+        "--repetitions",
+        type=at_least(1),
+        default=1,
+        metavar="N",
+        help="repetitions of every run; the tables show medians",
+    )
     add_model_options(p)
     p.set_defaults(func=run, parser=p)
 
@@ -60,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_answer(runner: Any, tokenizer: Any) -> None:
+    import asyncio
+
     answer = asyncio.run(_answer(runner, tokenizer))
-    sys.stdout.write(f"Q: {QUESTION}\nA: {answer}\n\n")
-    sys.stdout.flush()
+    write_stdout(f"Q: {QUESTION}\nA: {answer}\n\n")

@@ -1,19 +1,39 @@
-"""Files and streams: opening traces (plain, gzip, stdin, bundled), writing output."""
+"""Files and streams: opening traces (plain, gzip, stdin, bundled), writing output.
+
+Traces are read as bytes, line by line, and every line is decoded and parsed by the core's
+pure `TraceReader`: a line that is not UTF-8 is a per-line error with its line number (and
+skippable), on stdin as in a file. Gzip data is recognised by its magic bytes, on stdin too.
+Output files are written atomically: a temporary file beside the target, then a rename, so a
+failed write (a full disk, a file-size limit) leaves the previous file as it was and no
+partial file behind.
+"""
 
 from __future__ import annotations
 
 import gzip
-import io
+import os
 import sys
-from collections.abc import Iterator
+import zlib
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from importlib import resources
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
-from prefixflight.core import TraceReader, UsageError
+from prefixflight.core import PrefixflightError, TraceReader, UsageError
 
-__all__ = ["BUNDLED_TRACES", "bundled_trace", "open_trace", "read_trace"]
+if TYPE_CHECKING:
+    from importlib.resources.abc import Traversable
+
+__all__ = [
+    "BUNDLED_TRACES",
+    "InputError",
+    "OutputError",
+    "bundled_trace",
+    "open_trace",
+    "read_trace",
+    "write_atomic",
+    "write_stdout",
+]
 
 BUNDLED_TRACES = {
     "conversation": "conversation_trace.jsonl.gz",
@@ -21,51 +41,181 @@ BUNDLED_TRACES = {
 }
 """Real Mooncake FAST'25 traces shipped with the package (see data/SOURCE.md)."""
 
+_GZIP_MAGIC = b"\x1f\x8b"
 
-def bundled_trace(name: str) -> Path:
-    """The path of a bundled trace: ``"conversation"`` or ``"synthetic"``."""
+
+class InputError(UsageError):
+    """An input that cannot be read: a missing file, corrupt gzip data, a closed stdin."""
+
+
+class OutputError(PrefixflightError):
+    """An output that cannot be written: a full disk, a file-size limit, a closed stdout."""
+
+
+def bundled_trace(name: str) -> Traversable:
+    """The bundled trace ``"conversation"`` or ``"synthetic"``, as a package resource.
+
+    Open it with ``.open("rb")``, or get a file system path with
+    ``importlib.resources.as_file`` (it works from a zipped install too).
+    """
     try:
         filename = BUNDLED_TRACES[name]
     except KeyError:
         choices = ", ".join(sorted(BUNDLED_TRACES))
-        raise UsageError(f"no bundled trace {name!r}; choose one of: {choices}") from None
-    return Path(str(resources.files("prefixflight.cli").joinpath("data", filename)))
+        raise InputError(f"no bundled trace {name!r}; choose one of: {choices}") from None
+    from importlib import resources
+
+    return resources.files("prefixflight.cli").joinpath("data", filename)
 
 
-def _resolve(spec: str) -> str | Path:
-    if spec.startswith("bundled:"):
-        return bundled_trace(spec.removeprefix("bundled:"))
-    return spec
+def _stdin() -> IO[bytes]:
+    if sys.stdin is None:  # started with stdin closed (`<&-`)
+        raise InputError("cannot read the trace from stdin: stdin is closed")
+    try:
+        buffer: IO[bytes] = sys.stdin.buffer
+        buffer.fileno()
+    except (AttributeError, OSError, ValueError) as exc:
+        raise InputError(f"cannot read the trace from stdin: {exc}") from None
+    return buffer
+
+
+def _peek(stream: IO[bytes], n: int) -> bytes:
+    peek = getattr(stream, "peek", None)
+    if peek is None:
+        return b""
+    try:
+        data: bytes = peek(n)
+    except OSError as exc:  # e.g. stdin closed at the file-descriptor level
+        raise InputError(f"cannot read the trace from stdin: {exc.strerror or exc}") from None
+    return data[:n]
 
 
 @contextmanager
-def open_trace(spec: str | Path) -> Iterator[IO[str]]:
-    """Open a trace for streaming text lines: a path, a ``.gz`` file, ``-`` (stdin) or
-    ``bundled:NAME``. Raises `UsageError` naming the file if it cannot be opened."""
-    target = _resolve(spec) if isinstance(spec, str) else spec
-    if target == "-":
-        yield sys.stdin
+def _bundled_path(name: str) -> Iterator[Path]:
+    from importlib import resources
+
+    with resources.as_file(bundled_trace(name)) as path:
+        yield path
+
+
+@contextmanager
+def open_trace(spec: str | Path) -> Iterator[Iterable[bytes]]:
+    """Open a trace as a binary stream of lines: a path, a ``.gz`` file, ``-`` (stdin) or
+    ``bundled:NAME``; gzip data is detected by its magic bytes, on stdin too. Raises a
+    `PrefixflightError` naming the file if it cannot be opened."""
+    if isinstance(spec, str) and spec.startswith("bundled:"):
+        with _bundled_path(spec.removeprefix("bundled:")) as path, open_trace(path) as fh:
+            yield fh
         return
-    path = Path(target)
+    if spec == "-":
+        stdin = _stdin()
+        if _peek(stdin, 2) == _GZIP_MAGIC:
+            with gzip.GzipFile(fileobj=stdin, mode="rb") as gz:
+                yield gz
+        else:
+            yield stdin
+        return
+    path = Path(spec)
     try:
-        with path.open("rb") as probe:
-            magic = probe.read(2)
+        fh = path.open("rb")
     except OSError as exc:
-        raise UsageError(f"cannot open trace {str(path)!r}: {exc.strerror or exc}") from None
-    if magic == b"\x1f\x8b":
-        with gzip.open(path, "rt", encoding="utf-8") as fh:
+        raise InputError(f"cannot open trace {str(path)!r}: {exc.strerror or exc}") from None
+    with fh:
+        if fh.peek(2)[:2] == _GZIP_MAGIC:
+            with gzip.GzipFile(fileobj=fh, mode="rb") as gz:
+                yield gz
+        else:
             yield fh
-    else:
-        with path.open("r", encoding="utf-8") as fh:
-            yield fh
+
+
+def _checked_lines(stream: Iterable[bytes], name: str) -> Iterator[bytes]:
+    """The stream's lines; a read error (corrupt gzip data, an I/O error) becomes one
+    `InputError` naming the file and the last line read."""
+    number = 0
+    try:
+        for number, line in enumerate(stream, start=1):  # noqa: B007 (named in errors)
+            yield line
+    except (gzip.BadGzipFile, zlib.error, EOFError) as exc:
+        raise InputError(
+            f"{name}: corrupt or truncated gzip data after line {number} "
+            f"({str(exc) or type(exc).__name__})"
+        ) from None
+    except OSError as exc:
+        reason = exc.strerror or exc
+        raise InputError(f"{name}: cannot read after line {number}: {reason}") from None
 
 
 @contextmanager
 def read_trace(spec: str | Path, *, skip_invalid: bool = False) -> Iterator[TraceReader]:
-    """A streaming `TraceReader` over a trace file; errors name the file and line."""
+    """A streaming `TraceReader` over a trace file; errors name the file and line.
+
+    Bad lines raise `TraceFormatError` (or are skipped with ``skip_invalid``); corrupt or
+    truncated gzip data and read errors raise `InputError` naming the file and the last
+    line read (they are not line-local, so ``skip_invalid`` does not skip them).
+    """
     name = "<stdin>" if spec == "-" else str(spec)
     with open_trace(spec) as fh:
-        try:
-            yield TraceReader(fh, source=name, skip_invalid=skip_invalid)
-        except (UnicodeDecodeError, gzip.BadGzipFile, EOFError, io.UnsupportedOperation) as exc:
-            raise UsageError(f"cannot read trace {name!r}: {exc}") from None
+        yield TraceReader(_checked_lines(fh, name), source=name, skip_invalid=skip_invalid)
+
+
+def _mode_for(path: Path) -> int:
+    try:
+        return path.stat().st_mode & 0o7777
+    except OSError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
+
+
+@contextmanager
+def atomic_path(target: str | Path) -> Iterator[Path]:
+    """A temporary path beside ``target`` to write; renamed over ``target`` on success.
+
+    On any failure the temporary file is removed and ``target`` is left as it was; an
+    `OSError` becomes `OutputError` naming ``target``.
+    """
+    import tempfile
+
+    path = Path(target)
+    try:
+        fd, tmp_name = tempfile.mkstemp(
+            dir=path.parent, prefix=f".{path.name}.", suffix=".tmp" + path.suffix
+        )
+    except OSError as exc:
+        raise OutputError(f"cannot write {str(target)!r}: {exc.strerror or exc}") from None
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        yield tmp
+        os.chmod(tmp, _mode_for(path))
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise OutputError(f"cannot write {str(target)!r}: {exc.strerror or exc}") from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_atomic(target: str | Path, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``target`` atomically (see `atomic_path`)."""
+    with atomic_path(target) as tmp, tmp.open("w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def write_stdout(text: str) -> None:
+    """Write ``text`` to stdout and flush; `OutputError` if stdout cannot take it (a full
+    device, a closed stdout). `BrokenPipeError` (a reader that went away) propagates."""
+    out = sys.stdout
+    if out is None:
+        raise OutputError("cannot write to stdout: stdout is closed")
+    try:
+        out.write(text)
+        out.flush()
+    except BrokenPipeError:
+        raise
+    except (OSError, ValueError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise OutputError(f"cannot write to stdout: {reason}") from None

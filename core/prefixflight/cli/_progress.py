@@ -15,7 +15,7 @@ def progress(
     items: Iterable[T], *, desc: str, unit: str, total: int | None = None, quiet: bool = False
 ) -> Iterator[T]:
     """Wrap ``items`` in a tqdm bar on stderr unless quiet or stderr is not a terminal."""
-    if quiet or not sys.stderr.isatty():
+    if quiet or sys.stderr is None or not sys.stderr.isatty():
         yield from items
         return
     try:

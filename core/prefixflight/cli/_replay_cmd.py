@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-from pathlib import Path
 from typing import Any
 
-from prefixflight.core import ConfigError, ReplayConfig, UsageError, replay
+import attrs
 
-from ._io import read_trace
+from prefixflight.core import ConfigError, ReplayConfig, replay
+
+from ._args import at_least, output_file, ratio, usage_errors
+from ._io import read_trace, write_atomic, write_stdout
 from ._progress import progress
 
-__all__ = ["register", "run"]
+__all__ = ["load_config", "register", "run"]
+
+_MISSING_CAPACITY = "--capacity-blocks is required (or cache_capacity_blocks in --config)"
 
 
 def _policy(value: str) -> str:
@@ -23,70 +25,122 @@ def _policy(value: str) -> str:
     return name
 
 
+def _default(name: str) -> str:
+    """The `ReplayConfig` default of a field, for the help (flags default to None so that a
+    --config file can fill in what they leave out)."""
+    return f" (default: {getattr(attrs.fields(ReplayConfig), name).default})"
+
+
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "replay",
         help="replay a Mooncake trace through S3FIFO or LRU and print the report",
         description=(
             "Replay a Mooncake FAST'25 trace (a path, a .gz file, '-' for stdin, or "
-            "bundled:conversation / bundled:synthetic) and print one JSON report."
+            "bundled:conversation / bundled:synthetic) and print one JSON report. Flags "
+            "override --config. Exit status: 0 ok, 1 bad input data, 2 usage error."
         ),
     )
-    p.add_argument("trace", metavar="TRACE")
-    p.add_argument("--policy", type=_policy, default=None, help="s3fifo (default) or lru")
+    p.add_argument(
+        "trace", metavar="TRACE", help="a path, a .gz file, '-' (stdin) or bundled:NAME"
+    )
+    p.add_argument(
+        "--policy", type=_policy, default=None, help="s3fifo or lru" + _default("policy")
+    )
     p.add_argument(
         "--capacity-blocks",
-        type=int,
+        type=at_least(0),
         default=None,
         metavar="N",
         help="cache capacity in blocks (required, here or in --config)",
     )
-    p.add_argument("--block-size", type=int, default=None, metavar="B", help="default 512")
-    p.add_argument("--small-ratio", type=float, default=None, help="S3FIFO small queue (0.1)")
-    p.add_argument("--max-freq", type=int, default=None, help="S3FIFO freq cap (3)")
+    p.add_argument(
+        "--block-size",
+        type=at_least(1),
+        default=None,
+        metavar="B",
+        help="tokens per block" + _default("block_size"),
+    )
+    p.add_argument(
+        "--small-ratio",
+        type=ratio,
+        default=None,
+        metavar="F",
+        help="S3FIFO: the small queue's share of the capacity, in [0, 1]"
+        + _default("small_ratio"),
+    )
+    p.add_argument(
+        "--max-freq",
+        type=at_least(0),
+        default=None,
+        metavar="N",
+        help="S3FIFO: the cap of a block's access frequency" + _default("max_freq"),
+    )
     p.add_argument(
         "--ghost-admit-freq",
-        type=int,
+        type=at_least(0),
         default=None,
-        help="freq of a ghost hit admitted to main (0)",
+        metavar="N",
+        help="S3FIFO: the frequency a ghost hit enters the main queue with, <= --max-freq"
+        + _default("ghost_admit_freq"),
     )
     p.add_argument(
         "--config",
         metavar="FILE",
-        help="JSON object with policy, cache_capacity_blocks, block_size, "
-        "small_ratio, max_freq; flags override it",
+        help="JSON object with any of policy, cache_capacity_blocks, block_size, "
+        "small_ratio, max_freq, ghost_admit_freq (UTF-8, a byte order mark is allowed)",
     )
     p.add_argument("--per-request", action="store_true", help="add the per-request list")
     p.add_argument(
         "--skip-invalid",
         action="store_true",
-        help="skip bad lines and report skipped_lines instead of failing",
+        help="skip bad lines (bad JSON, bad UTF-8, bad fields) and report skipped_lines",
     )
-    p.add_argument("-o", "--output", metavar="FILE", help="write the JSON here (default stdout)")
+    p.add_argument(
+        "-o",
+        "--output",
+        type=output_file,
+        metavar="FILE",
+        help="write the JSON here, atomically (default: stdout)",
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run, parser=p)
 
 
-def _load_config(path: str) -> dict[str, Any]:
+def load_config(path: str) -> dict[str, Any]:
+    """A JSON object from a UTF-8 file (a byte order mark is allowed); `ConfigError` naming
+    the file (and the line, for bad UTF-8) otherwise."""
+    import json
+
+    from ._io import InputError
+
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        with open(path, "rb") as fh:
+            raw = fh.read()
     except OSError as exc:
-        raise UsageError(f"cannot read config {path!r}: {exc.strerror or exc}") from None
+        raise InputError(f"cannot read config {path!r}: {exc.strerror or exc}") from None
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        column = exc.start - (raw.rfind(b"\n", 0, exc.start) + 1) + 1
+        bad = raw[exc.start : exc.start + 1].hex()
+        raise ConfigError(
+            f"config {path!r} is not valid UTF-8 (line {line}, column {column}: byte 0x{bad})"
+        ) from None
     try:
         data = json.loads(text)
     except ValueError as exc:
         raise ConfigError(f"config {path!r} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"config {path!r} is not valid JSON: nested too deeply") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config {path!r} must be a JSON object, got {type(data).__name__}")
     return data
 
 
 def run(args: argparse.Namespace) -> int:
-    data = _load_config(args.config) if args.config else {}
-    if args.capacity_blocks is None and "cache_capacity_blocks" not in data:
-        args.parser.error("--capacity-blocks is required (or cache_capacity_blocks in --config)")
-    config = ReplayConfig.from_mapping(
-        data,
+    flags = dict(
         policy=args.policy,
         cache_capacity_blocks=args.capacity_blocks,
         block_size=args.block_size,
@@ -94,23 +148,29 @@ def run(args: argparse.Namespace) -> int:
         max_freq=args.max_freq,
         ghost_admit_freq=args.ghost_admit_freq,
     )
+    if args.config:
+        data = load_config(args.config)
+        if args.capacity_blocks is None and "cache_capacity_blocks" not in data:
+            args.parser.error(_MISSING_CAPACITY)
+        try:
+            config = ReplayConfig.from_mapping(data, **flags)
+            config.make_policy()
+        except ConfigError as exc:
+            raise ConfigError(f"config {args.config!r} with the flags given: {exc}") from None
+    else:
+        if args.capacity_blocks is None:
+            args.parser.error(_MISSING_CAPACITY)
+        with usage_errors(args.parser):  # e.g. --ghost-admit-freq above --max-freq
+            config = ReplayConfig.from_mapping({}, **flags)
+            config.make_policy()
     with read_trace(args.trace, skip_invalid=args.skip_invalid) as reader:
         records = progress(reader, desc="replay", unit="req", quiet=args.quiet)
         report = replay(records, config, per_request=args.per_request)
         if args.skip_invalid:
-            report = _with_skipped(report, reader.skipped_lines)
+            report = attrs.evolve(report, skipped_lines=reader.skipped_lines)
     text = report.to_json() + "\n"
     if args.output:
-        try:
-            Path(args.output).write_text(text, encoding="utf-8")
-        except OSError as exc:
-            raise UsageError(f"cannot write {args.output!r}: {exc.strerror or exc}") from None
+        write_atomic(args.output, text)
     else:
-        sys.stdout.write(text)
+        write_stdout(text)
     return 0
-
-
-def _with_skipped(report: Any, skipped: int) -> Any:
-    import attrs
-
-    return attrs.evolve(report, skipped_lines=skipped)

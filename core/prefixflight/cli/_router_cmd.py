@@ -7,11 +7,8 @@ sub-parsers (see ``_simulate_cmd.SIMULATIONS``).
 from __future__ import annotations
 
 import argparse
-import json
-import random
 import sys
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefixflight.core import (
     ApproxPrefixConfig,
@@ -22,21 +19,22 @@ from prefixflight.core import (
     LeastLoadedRouter,
     ReplicaLoad,
     Router,
-    UsageError,
-)
-from prefixflight.sim import (
-    ClusterConfig,
-    RouterReport,
-    Workload,
-    grpo_workload,
-    simulate_cluster,
-    trace_workload,
 )
 
-from ._io import read_trace
+from ._args import (
+    at_least,
+    non_negative_float,
+    output_file,
+    positive_float,
+    usage_errors,
+)
+from ._io import read_trace, write_atomic, write_stdout
 from ._progress import progress
 
-__all__ = ["build_routers", "format_table", "register_router", "run_router"]
+if TYPE_CHECKING:  # the simulator is imported by the functions that run it, not at start-up
+    from prefixflight.sim import ClusterConfig, RouterReport, Workload
+
+__all__ = ["build_routers", "describe", "format_table", "register_router", "run_router"]
 
 
 def _span(value: str) -> tuple[int, int]:
@@ -45,6 +43,8 @@ def _span(value: str) -> tuple[int, int]:
         pair = (int(lo), int(hi)) if sep else (int(lo), int(lo))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected N or LOW:HIGH, got {value!r}") from None
+    if not 0 <= pair[0] <= pair[1]:
+        raise argparse.ArgumentTypeError(f"expected 0 <= LOW <= HIGH, got {value!r}")
     return pair
 
 
@@ -55,114 +55,187 @@ def register_router(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         description=(
             "Simulate N replicas (each with a prefix cache and a continuous-batching cost "
             "model) under a GRPO rollout workload or a replayed Mooncake trace, once with the "
-            "baseline router and once with the burst router in front of it, and print both "
-            "side by side."
+            "baseline router and once with the burst router in front of it, and print the "
+            "workload, the settings and both results side by side."
         ),
     )
     w = p.add_argument_group("workload (GRPO rollouts unless --trace)")
-    w.add_argument("--steps", type=int, default=40, help="RL steps (40)")
-    w.add_argument("--prompts", type=int, default=32, help="prompts per step, P (32)")
-    w.add_argument("--samples", type=int, default=8, help="samples per prompt, G (8)")
+    w.add_argument("--steps", type=at_least(1), default=40, metavar="N", help="RL steps")
+    w.add_argument(
+        "--prompts", type=at_least(1), default=32, metavar="P", help="prompts per step"
+    )
+    w.add_argument(
+        "--samples",
+        type=at_least(1),
+        default=8,
+        metavar="G",
+        help="samples per prompt (a group of G identical prompts)",
+    )
     w.add_argument(
         "--prompt-tokens",
         type=_span,
-        default=(64, 128),
+        default="64:128",
         metavar="LOW:HIGH",
-        help="prompt length, uniform (64:128, one to two 64-token blocks)",
+        help="prompt length in tokens, uniform",
     )
     w.add_argument(
         "--output-tokens",
         type=_span,
-        default=(64, 512),
+        default="64:512",
         metavar="LOW:HIGH",
-        help="output length, uniform (64:512)",
+        help="output length in tokens, uniform",
     )
     w.add_argument(
         "--shared-prefix-tokens",
-        type=int,
+        type=at_least(0),
         default=0,
-        help="a system prompt shared by every prompt (0)",
+        metavar="N",
+        help="a system prompt of N tokens shared by every prompt",
     )
     w.add_argument(
         "--burst-ms",
-        type=float,
+        type=non_negative_float,
         default=50.0,
-        help="a step's rollouts arrive within this many ms (50)",
+        metavar="MS",
+        help="a step's rollouts arrive within this many ms",
     )
     w.add_argument(
         "--trace",
         metavar="TRACE",
-        help="replay a Mooncake trace instead (path, .gz, bundled:conversation)",
+        help="replay a Mooncake trace instead (a path, a .gz file, '-', bundled:NAME)",
     )
-    w.add_argument("--clones", type=int, default=1, help="burst overlay: copies per record (1)")
+    w.add_argument(
+        "--clones",
+        type=at_least(1),
+        default=1,
+        metavar="N",
+        help="trace burst overlay: copies of each record",
+    )
     w.add_argument(
         "--jitter-ms",
-        type=float,
+        type=non_negative_float,
         default=0.0,
-        help="burst overlay: clones arrive within this many ms (0)",
+        metavar="MS",
+        help="trace burst overlay: a record's clones arrive within this many ms",
     )
     w.add_argument(
-        "--time-scale", type=float, default=1.0, help="stretch (>1) or compress (<1) trace time (1)"
+        "--time-scale",
+        type=positive_float,
+        default=1.0,
+        metavar="F",
+        help="trace: stretch (>1) or compress (<1) time",
     )
-    w.add_argument("--limit", type=int, default=None, help="replay only the first N records")
+    w.add_argument(
+        "--limit", type=at_least(1), metavar="N", help="trace: replay only the first N records"
+    )
     c = p.add_argument_group("cluster")
-    c.add_argument("--replicas", type=int, default=4, help="replicas (4)")
+    c.add_argument("--replicas", type=at_least(1), default=4, metavar="N", help="replicas")
     c.add_argument(
         "--cache-blocks",
-        type=int,
+        type=at_least(0),
         default=65536,
-        help="prefix cache per replica, in engine blocks (65536)",
+        metavar="N",
+        help="prefix cache per replica, in engine blocks",
     )
     c.add_argument(
         "--engine-block-size",
-        type=int,
-        default=None,
-        help="engine KV block size in tokens (16; 512 for a trace)",
+        type=at_least(1),
+        metavar="B",
+        help="engine KV block size in tokens (default: 16; 512 for a trace)",
     )
     c.add_argument(
         "--prefill-us-per-token",
-        type=float,
+        type=non_negative_float,
         default=100.0,
-        help="prefill time per uncached prompt token, us (100)",
+        metavar="US",
+        help="prefill time per uncached prompt token, in microseconds",
     )
     c.add_argument(
         "--decode-ms-per-step",
-        type=float,
+        type=non_negative_float,
         default=25.0,
-        help="time of one continuous-batching iteration, ms (25)",
+        metavar="MS",
+        help="time of one continuous-batching iteration, in ms",
     )
     b = p.add_argument_group("routers")
     b.add_argument(
         "--baseline",
         choices=("approx", "least-loaded"),
         default="approx",
-        help="baseline router; also the burst router's fallback (approx)",
+        help="the baseline router; also the burst router's fallback",
     )
     b.add_argument(
         "--index-lag-ms",
-        type=float,
+        type=non_negative_float,
         default=10.0,
-        help="approx: a decision reaches the index this late (10)",
+        metavar="MS",
+        help="approx: a routing decision reaches the prefix index this late",
     )
-    b.add_argument("--window-ms", type=int, default=100, help="burst window (100)")
-    b.add_argument("--k", type=int, default=-1, help="max per replica, -1 = whole group (-1)")
+    b.add_argument(
+        "--window-ms",
+        type=at_least(1),
+        default=100,
+        metavar="MS",
+        help="burst: the batch window T, 1..10000 ms",
+    )
+    b.add_argument(
+        "--k",
+        type=int,
+        default=-1,
+        metavar="K",
+        help="burst: the most members of one group per replica; -1 keeps a group together",
+    )
     b.add_argument(
         "--block-size",
-        type=int,
-        default=None,
-        help="router block size in tokens (64; 512 for a trace)",
+        type=at_least(1),
+        metavar="B",
+        help="burst: the router's block size in tokens (default: 64; 512 for a trace)",
     )
-    b.add_argument("--max-prefix-tokens", type=int, default=0, help="match cap, 0 = default")
-    b.add_argument("--min-colocate-blocks", type=int, default=0, help="(0)")
-    b.add_argument("--max-batch-size", type=int, default=1000, help="(1000)")
-    b.add_argument("--balance-by", choices=("requests", "tokens"), default="requests")
-    p.add_argument("--seed", type=int, default=0, help="workload and tie-break seed (0)")
-    p.add_argument("--json", metavar="FILE", help="also write the results as JSON here")
+    b.add_argument(
+        "--max-prefix-tokens",
+        type=at_least(0),
+        default=0,
+        metavar="N",
+        help="burst: the most prompt tokens in a prefix key; 0 means 2048 blocks",
+    )
+    b.add_argument(
+        "--min-colocate-blocks",
+        type=at_least(0),
+        default=0,
+        metavar="N",
+        help="burst: different prompts sharing at least N leading blocks are co-located "
+        "(and a lone request gets an affinity); 0 co-locates identical prompts only",
+    )
+    b.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=1000,
+        metavar="N",
+        help="burst: the most requests one window's batch takes (-1: no cap; see "
+        "docs/router.md for what happens to the next one)",
+    )
+    b.add_argument(
+        "--balance-by",
+        choices=("requests", "tokens"),
+        default="requests",
+        help="burst: spread groups over replicas by their running requests, or by their "
+        "uncached prefix tokens",
+    )
+    p.add_argument(
+        "--seed", type=int, default=0, metavar="N", help="workload and tie-break seed"
+    )
+    p.add_argument(
+        "--json", type=output_file, metavar="FILE", help="also write the results as JSON here"
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run_router, parser=p)
 
 
 def _workload(args: argparse.Namespace) -> Workload:
+    import random
+
+    from prefixflight.sim import grpo_workload, trace_workload
+
     rng = random.Random(args.seed)
     if args.trace:
         block = 512 if args.block_size is None else args.block_size
@@ -199,6 +272,8 @@ def build_routers(
     seed: int,
 ) -> tuple[Router, Router]:
     """The baseline router and the burst router in front of an identical baseline."""
+
+    import random
 
     def baseline() -> Router:
         rng = random.Random(seed)
@@ -248,43 +323,85 @@ def format_table(
     return "\n".join(lines)
 
 
-def run_router(args: argparse.Namespace) -> int:
-    for flag in ("block_size", "engine_block_size"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            args.parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
-    if args.engine_block_size is None:  # a trace's hash ids are per 512-token block
-        args.engine_block_size = (
-            (512 if args.block_size is None else args.block_size) if args.trace else 16
+def describe(args: argparse.Namespace, workload: Workload, cluster: ClusterConfig,
+             burst: BurstConfig) -> str:  # fmt: skip
+    """The workload and the settings a run used, as the lines printed above its table."""
+    d = workload.description
+    if d.get("kind") == "grpo":
+        what = (
+            f"workload: GRPO rollouts, {d['steps']} steps x {d['prompts_per_step']} prompts x "
+            f"{d['samples']} samples = {d['requests']} requests, seed {args.seed};\n"
+            f"  prompts {d['prompt_tokens'][0]}-{d['prompt_tokens'][1]} tokens (shared prefix "
+            f"{d['shared_prefix_tokens']}), outputs {d['output_tokens'][0]}-"
+            f"{d['output_tokens'][1]}, each step within {d['burst_s'] * 1e3:g} ms"
         )
-    cluster = ClusterConfig(
-        replicas=args.replicas,
-        cache_capacity_blocks=args.cache_blocks,
-        engine_block_size=args.engine_block_size,
-        prefill_s_per_token=args.prefill_us_per_token / 1e6,
-        decode_s_per_step=args.decode_ms_per_step / 1000.0,
-    )
-    workload = _workload(args)
-    burst_config = BurstConfig(
-        window_ms=args.window_ms,
-        max_per_replica=args.k,
-        block_size_tokens=workload.route_block_size,
-        max_prefix_tokens_to_match=args.max_prefix_tokens,
-        min_colocate_blocks=args.min_colocate_blocks,
-        max_batch_size=args.max_batch_size,
-        balance_by=args.balance_by,
-    )
-    approx = ApproxPrefixConfig(index_lag=args.index_lag_ms / 1000.0)
+    else:
+        what = (
+            f"workload: trace {args.trace}, {d['records']} records x {d['clones']} clones = "
+            f"{d['requests']} requests, seed {args.seed};\n  clones within "
+            f"{d['jitter_s'] * 1e3:g} ms, time x {d['time_scale']:g}"
+        )
+    lines = [
+        what,
+        f"cluster: {cluster.replicas} replicas, {cluster.cache_capacity_blocks} cache blocks "
+        f"of {cluster.engine_block_size} tokens each,\n  prefill "
+        f"{cluster.prefill_s_per_token * 1e6:g} us/token, decode step "
+        f"{cluster.decode_s_per_step * 1e3:g} ms",
+        f"baseline router: {args.baseline}"
+        + (f" (index lag {args.index_lag_ms:g} ms)" if args.baseline == "approx" else ""),
+        f"burst router: window {burst.window_ms} ms, k {burst.max_per_replica}, blocks of "
+        f"{burst.block_size_tokens} tokens, max prefix tokens "
+        f"{burst.max_prefix_tokens_to_match},\n  min colocate blocks "
+        f"{burst.min_colocate_blocks}, max batch size {burst.max_batch_size}, balance by "
+        f"{burst.balance_by}",
+    ]
+    return "\n".join(lines)
+
+
+def run_router(args: argparse.Namespace) -> int:
+    from prefixflight.sim import ClusterConfig, simulate_cluster
+
+    route_block = args.block_size if args.block_size is not None else (
+        512 if args.trace else 64
+    )  # fmt: skip
+    if args.engine_block_size is None:  # a trace's hash ids are per 512-token block
+        args.engine_block_size = route_block if args.trace else 16
+    with usage_errors(args.parser):  # flag values the configurations reject
+        cluster = ClusterConfig(
+            replicas=args.replicas,
+            cache_capacity_blocks=args.cache_blocks,
+            engine_block_size=args.engine_block_size,
+            prefill_s_per_token=args.prefill_us_per_token / 1e6,
+            decode_s_per_step=args.decode_ms_per_step / 1000.0,
+        )
+        burst_config = BurstConfig(
+            window_ms=args.window_ms,
+            max_per_replica=args.k,
+            block_size_tokens=route_block,
+            max_prefix_tokens_to_match=args.max_prefix_tokens,
+            min_colocate_blocks=args.min_colocate_blocks,
+            max_batch_size=args.max_batch_size,
+            balance_by=args.balance_by,
+        )
+        approx = ApproxPrefixConfig(index_lag=args.index_lag_ms / 1000.0)
+        if not args.trace:
+            workload = _workload(args)
+    if args.trace:  # the trace is input data: its errors exit 1
+        workload = _workload(args)
     base_router, burst_router = build_routers(
         args.baseline, cluster, burst_config, approx, args.seed
     )
     base = simulate_cluster(workload, base_router, cluster, name=args.baseline)
     burst = simulate_cluster(workload, burst_router, cluster, name=f"burst+{args.baseline}")
+    text = describe(args, workload, cluster, burst_config) + "\n\n"
     if workload.description.get("kind") == "grpo":
-        print(format_table(base, burst, "G-sample groups", "step time"))
+        text += format_table(base, burst, "G-sample groups", "step time")
     else:  # a trace's "step" is one record and its clones
-        print(format_table(base, burst, "clone groups", "group latency"))
+        text += format_table(base, burst, "clone groups", "group latency")
+    write_stdout(text + "\n")
     if args.json:
+        import json
+
         doc: dict[str, Any] = {
             "baseline": base.to_dict(),
             "burst": burst.to_dict(),
@@ -311,9 +428,7 @@ def run_router(args: argparse.Namespace) -> int:
                 },
             },
         }
-        try:
-            Path(args.json).write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
-        except OSError as exc:
-            raise UsageError(f"cannot write {args.json!r}: {exc.strerror or exc}") from None
-        print(f"wrote {args.json}", file=sys.stderr)
+        write_atomic(args.json, json.dumps(doc, indent=2) + "\n")
+        if sys.stderr is not None:
+            print(f"wrote {args.json}", file=sys.stderr)
     return 0

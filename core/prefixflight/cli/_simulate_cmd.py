@@ -16,7 +16,11 @@ SIMULATIONS: tuple[RegisterSimulation, ...] = (register_router, _simulate_flight
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("simulate", help="simulate a cluster or an engine, side by side")
+    p = sub.add_parser(
+        "simulate",
+        help="simulate a cluster or an engine, side by side",
+        description="Simulations on the pure core: no model, no clock, deterministic.",
+    )
     kinds = p.add_subparsers(dest="simulation", metavar="KIND", required=True)
     for register_simulation in SIMULATIONS:
         register_simulation(kinds)

@@ -5,26 +5,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import sys
 from collections.abc import Sequence
-from pathlib import Path
+from typing import TYPE_CHECKING
 
-from prefixflight.core import (
-    ConfigError,
-    UsageError,
-)
-from prefixflight.sim import (
-    CostModel,
-    FindingsRow,
-    FlightRow,
-    FlightSimConfig,
-    simulate_findings,
-    simulate_incremental_publication,
-    simulate_late_arrival,
-    simulate_partial_prefix,
-    simulate_single_flight,
-)
+from prefixflight.core import ConfigError
+
+from ._args import at_least, output_file, positive_float, ratio, usage_errors
+from ._io import write_atomic, write_stdout
+
+if TYPE_CHECKING:  # the simulations are imported by `run`, not at start-up
+    from prefixflight.sim import FindingsRow, FlightRow
 
 __all__ = ["register", "run"]
 
@@ -38,50 +28,64 @@ OVERHEAD_BOUND_PREFILL_DIVISOR = 100
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "flight",
-        help="the single-flight and incremental-publication experiments, simulated",
+        help="the single-flight and incremental-publication tables, simulated",
         description=(
-            "Run the experiments of the single-flight prefill study of mini-vllm-rs on the pure "
-            "scheduler + coordinator + prefix cache with one cost model: step = overhead + "
-            "prefill_per_token * computed prompt tokens + decode_per_request * decodes, "
-            "calibrated from measured times "
-            "(defaults: `prefixflight bench calibrate` on SmolLM2-135M, fp32, 2 CPU threads; "
-            "each flag given replaces one measured time). Prints markdown tables."
+            "Run the experiments of the single-flight prefill study of mini-vllm-rs on the "
+            "pure scheduler + coordinator + prefix cache with one cost model: step = overhead "
+            "+ prefill_per_token * computed prompt tokens + decode_per_request * decodes, "
+            "calibrated from measured times (by default those of `prefixflight bench "
+            "calibrate` on SmolLM2-135M, fp32, 2 CPU threads; each flag given replaces one "
+            "measured time). Prints markdown tables and a list of findings."
         ),
     )
-    p.add_argument("--json", metavar="FILE", help="also write every row as JSON here")
-    cal = p.add_argument_group("cost model calibration (measured times)")
-    for flag, what in (
-        ("--prefill-seconds", "S: time of one full prefill of --prefill-tokens tokens"),
-        ("--prefill-tokens", "N: length of that prefill"),
-        ("--decode-batch1", "S: a decode step at batch 1"),
-        ("--decode-batch8", "S: a decode step at batch 8"),
-    ):
-        cal.add_argument(
-            flag,
-            type=int if flag == "--prefill-tokens" else float,
-            default=None,
-            metavar=what[0],
-            help=f"{what[3:]} (default: measured; see CostModel.calibrated)",
-        )
+    p.add_argument(
+        "--json", type=output_file, metavar="FILE", help="also write every row as JSON here"
+    )
+    cal = p.add_argument_group("cost model calibration (measured times; default: measured)")
+    cal.add_argument(
+        "--prefill-seconds",
+        type=positive_float,
+        metavar="S",
+        help="time of one full prefill of --prefill-tokens tokens",
+    )
+    cal.add_argument(
+        "--prefill-tokens", type=at_least(1), metavar="N", help="length of that prefill"
+    )
+    cal.add_argument(
+        "--decode-batch1", type=positive_float, metavar="S", help="a decode step at batch 1"
+    )
+    cal.add_argument(
+        "--decode-batch8", type=positive_float, metavar="S", help="a decode step at batch 8"
+    )
     cal.add_argument(
         "--overhead-share",
-        type=float,
-        default=None,
+        type=ratio,
         metavar="F",
-        help="override the fixed share of the batch-1 decode step (0..1)",
+        help="replace the calibrated fixed share of the batch-1 decode step, in [0, 1]",
     )
     eng = p.add_argument_group("engine")
     eng.add_argument(
         "--max-batch-tokens",
-        type=int,
+        type=at_least(1),
         default=2048,
         metavar="N",
-        help="token budget per step (2048)",
+        help="the scheduler's token budget per step",
     )
-    eng.add_argument("--output-tokens", type=int, default=128, metavar="N", help="(128)")
-    eng.add_argument("--late-after-tokens", type=int, default=16, metavar="N",
-                     help="late arrival: the second request arrives after the first has "
-                          "produced N tokens (16)")  # fmt: skip
+    eng.add_argument(
+        "--output-tokens",
+        type=at_least(1),
+        default=128,
+        metavar="N",
+        help="tokens every request generates",
+    )
+    eng.add_argument(
+        "--late-after-tokens",
+        type=at_least(1),
+        default=16,
+        metavar="N",
+        help="late arrival: the second request arrives once the first has produced N tokens "
+        "(< --output-tokens)",
+    )
     p.set_defaults(func=run, parser=p)
 
 
@@ -117,8 +121,8 @@ def _incremental(rows: Sequence[FlightRow]) -> str:
             f"{r.mean_ttft:.3f}", _pct(r.mean_ttft, base.mean_ttft),
             f"{r.slowest_completion:.2f}",
         ])  # fmt: skip
-    head = ["followers", "policy", "recovered / prompt", "mean follower TTFT (s)",
-            "TTFT vs on-completion", "slowest completion (s)"]  # fmt: skip
+    head = ["followers", "policy", "recovered / prompt", "follower TTFT (s)",
+            "vs on-completion", "slowest done (s)"]  # fmt: skip
     return _table(head, out)
 
 
@@ -134,8 +138,8 @@ def _single(rows: Sequence[FlightRow]) -> str:
             _pct(r.slowest_completion, base.slowest_completion),
             str(r.computed_prompt_tokens),
         ])  # fmt: skip
-    head = ["requests", "policy", "recovered / follower", "mean TTFT (s)", "TTFT vs indep.",
-            "slowest completion (s)", "completion vs indep.", "prompt tokens computed"]  # fmt: skip
+    head = ["requests", "policy", "recovered", "mean TTFT (s)", "vs indep.",
+            "slowest done (s)", "vs indep.", "prompt computed"]  # fmt: skip
     return _table(head, out)
 
 
@@ -147,27 +151,25 @@ def _late(rows: Sequence[FlightRow]) -> str:
          _pct(r.slowest_completion, base.slowest_completion)]
         for r in rows
     ]  # fmt: skip
-    head = ["policy", "recovered", "mean TTFT (s)", "TTFT vs on-completion",
-            "slowest completion (s)", "completion vs on-completion"]  # fmt: skip
+    head = ["policy", "recovered", "mean TTFT (s)", "vs on-completion",
+            "slowest done (s)", "vs on-completion"]  # fmt: skip
     return _table(head, out)
 
 
-def _partial(regimes: Sequence[tuple[str, Sequence[FlightRow]]]) -> str:
+def _partial(rows: Sequence[FlightRow]) -> str:
     out = []
-    for regime, rows in regimes:
-        for r in rows:
-            mode, case = r.policy.split(":")
-            base = next(b for b in rows if b.policy == f"exact_only:{case}")
-            out.append([
-                regime, case, mode, f"{r.recovered_tokens_per_follower:.0f}",
-                f"{r.mean_ttft:.3f}", _pct(r.mean_ttft, base.mean_ttft),
-                f"{r.slowest_completion:.2f}",
-                _pct(r.slowest_completion, base.slowest_completion),
-                str(r.computed_prompt_tokens),
-            ])  # fmt: skip
-    head = ["cost regime", "shared+tail", "coordination", "recovered / follower",
-            "mean TTFT (s)", "TTFT vs exact-only", "slowest completion (s)",
-            "completion vs exact-only", "prompt tokens computed"]  # fmt: skip
+    for r in rows:
+        mode, case = r.policy.split(":")
+        base = next(b for b in rows if b.policy == f"exact_only:{case}")
+        out.append([
+            case, mode, f"{r.recovered_tokens_per_follower:.0f}",
+            f"{r.mean_ttft:.3f}", _pct(r.mean_ttft, base.mean_ttft),
+            f"{r.slowest_completion:.2f}",
+            _pct(r.slowest_completion, base.slowest_completion),
+            str(r.computed_prompt_tokens),
+        ])  # fmt: skip
+    head = ["shared+tail", "mode", "recovered", "mean TTFT (s)", "vs exact",
+            "slowest done (s)", "vs exact", "prompt computed"]  # fmt: skip
     return _table(head, out)
 
 
@@ -176,57 +178,58 @@ def _yes(b: bool) -> str:
 
 
 def _findings(rows: Sequence[FindingsRow]) -> str:
+    """One item per fixed share, its findings as sub-items (too long for table columns)."""
     out = []
     for f in rows:
         r = f.ratios
-        out.append([
-            f"{f.overhead_share:.2f}", f"{f.step_overhead * 1e3:.1f}",
-            f"{f.decode_per_request * 1e3:.1f}",
+        out += [
+            f"- fixed share {f.overhead_share:.2f}: step overhead "
+            f"{f.step_overhead * 1e3:.1f} ms, decode {f.decode_per_request * 1e3:.1f} ms per "
+            "request",
+            "  - 2 requests, on_completion vs independent: TTFT worse "
             f"{_yes(f.on_completion_worse_ttft_at_2)} "
-            f"({r['on_completion_vs_independent_ttft_at_2']:.2f}x)",
+            f"({r['on_completion_vs_independent_ttft_at_2']:.2f}x), completion better "
             f"{_yes(f.on_completion_better_completion_at_2)} "
             f"({r['on_completion_vs_independent_completion_at_2']:.2f}x)",
+            "  - late arrival, after_prefill vs on_completion: TTFT better "
             f"{_yes(f.late_early_release_better_ttft)} "
-            f"({r['late_after_prefill_vs_on_completion_ttft']:.2f}x)",
+            f"({r['late_after_prefill_vs_on_completion_ttft']:.2f}x), completion worse "
             f"{_yes(f.late_early_release_worse_completion)} "
             f"({r['late_after_prefill_vs_on_completion_completion']:.2f}x)",
-            _yes(f.after_prefill_best_ttft),
-        ])  # fmt: skip
-    head = ["overhead share", "overhead (ms)", "decode/request (ms)",
-            "2 req: on-completion TTFT worse", "2 req: on-completion completion better",
-            "late: early release TTFT better", "late: early release completion worse",
-            "after-prefill best TTFT (2,4,8)"]  # fmt: skip
-    return _table(head, out)
+            "  - after_prefill has the best TTFT at 2, 4 and 8 requests: "
+            f"{_yes(f.after_prefill_best_ttft)}",
+        ]
+    return "\n".join(out)
 
 
 def run(args: argparse.Namespace) -> int:
-    for name in ("max_batch_tokens", "output_tokens", "late_after_tokens"):
-        if getattr(args, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if not 1 <= args.late_after_tokens < args.output_tokens:
-        raise ConfigError(
-            f"--late-after-tokens must be in [1, --output-tokens), got {args.late_after_tokens}"
+    from prefixflight.sim import (
+        CostModel,
+        FlightSimConfig,
+        simulate_findings,
+        simulate_incremental_publication,
+        simulate_late_arrival,
+        simulate_partial_prefix,
+        simulate_single_flight,
+    )
+
+    if args.late_after_tokens >= args.output_tokens:
+        args.parser.error(
+            f"--late-after-tokens must be < --output-tokens ({args.output_tokens}), "
+            f"got {args.late_after_tokens}"
         )
-    if args.prefill_tokens is not None and args.prefill_tokens < 1:
-        raise ConfigError(f"--prefill-tokens must be >= 1, got {args.prefill_tokens}")
     given = dict(
         prefill_seconds=args.prefill_seconds, prefill_tokens=args.prefill_tokens,
         decode_batch1=args.decode_batch1, decode_batch8=args.decode_batch8,
     )  # fmt: skip
     calibration = {k: v for k, v in given.items() if v is not None}
-    for name, value in calibration.items():
-        if not math.isfinite(value) or value <= 0:
-            raise ConfigError(
-                f"--{name.replace('_', '-')} must be a finite number > 0, got {value}"
-            )
     try:
         cost = CostModel.calibrated(overhead_share=args.overhead_share, **calibration)
     except ConfigError as exc:
         flags = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in calibration.items())
-        raise ConfigError(
-            f"these measured times give no valid cost model ({flags}): {exc}"
-        ) from None
-    sim = FlightSimConfig(max_batch_tokens=args.max_batch_tokens)
+        args.parser.error(f"these measured times give no valid cost model ({flags}): {exc}")
+    with usage_errors(args.parser):
+        sim = FlightSimConfig(max_batch_tokens=args.max_batch_tokens)
     out_n = args.output_tokens
     inc = simulate_incremental_publication(cost, sim, output_tokens=out_n)
     sf = simulate_single_flight(cost, sim, output_tokens=out_n)
@@ -243,34 +246,46 @@ def run(args: argparse.Namespace) -> int:
         ("overhead-bound", simulate_partial_prefix(overhead_bound, sim, cases=PARTIAL_CASES)),
     ]
     finds = simulate_findings(SHARES, sim, calibration=calibration)
-    w = sys.stdout.write
-    w(
-        f"cost model: step = {cost.step_overhead * 1e3:.2f} ms + "
-        f"{cost.prefill_per_token * 1e3:.4f} ms x prefill tokens + "
-        f"{cost.decode_per_request * 1e3:.2f} ms x decodes; block 16, "
-        f"max {sim.max_batch_tokens} tokens/step, {out_n} output tokens\n\n"
-    )
-    w("**Incremental publication vs publish-on-completion.** One request starts; at its first\n")
-    w("token N followers with the same prompt arrive (no single flight).\n\n")
-    w(_incremental(inc) + "\n\n")
-    w("**Single flight: N identical requests arrive together.** Baseline: independent\n")
-    w("execution, publish on completion.\n\n")
-    w(_single(sf) + "\n\n")
-    w(f"**Late arrival.** The second request arrives once the first has produced "
-      f"{args.late_after_tokens} tokens.\n\n")  # fmt: skip
-    w(_late(late) + "\n\n")
-    w("**Partial-prefix coordination.** 4 requests share a document and differ in their\n")
-    w("tail, arriving together. overhead-bound: the same model with prefill "
-      f"{OVERHEAD_BOUND_PREFILL_DIVISOR}x cheaper\nper token (a GPU-like regime where the "
-      "per-step cost dominates).\n\n")  # fmt: skip
-    w(_partial(part) + "\n\n")
-    w("**The single-flight study's subtler findings vs the decode step's fixed share.**\n")
-    w("Batch-1 decode and the full prefill keep their measured times; the share of the batch-1\n")
     measured = CostModel.calibrated(**calibration)
     share = measured.step_overhead / (measured.step_overhead + measured.decode_per_request)
-    w("decode step that does not grow with the batch varies "
-      f"({share:.2f} is the calibrated split).\n\n")  # fmt: skip
-    w(_findings(finds) + "\n")
+    text = [
+        f"cost model: step = {cost.step_overhead * 1e3:.2f} ms + "
+        f"{cost.prefill_per_token * 1e3:.4f} ms x prefill tokens + "
+        f"{cost.decode_per_request * 1e3:.2f} ms x decodes;\n"
+        f"block 16, max {sim.max_batch_tokens} tokens/step, {out_n} output tokens.\n"
+        "TTFT: time to first token; slowest done: when the last request completes; recovered:\n"
+        "prompt tokens a follower reused; prompt computed: prompt tokens prefilled in all.\n\n",
+        "**Incremental publication vs publish-on-completion.** One request starts; at its "
+        "first\ntoken N followers with the same prompt arrive (no single flight).\n\n",
+        _incremental(inc) + "\n\n",
+        "**Single flight: N identical requests arrive together.** Baseline: independent\n"
+        "execution, publish on completion.\n\n",
+        _single(sf) + "\n\n",
+        "**Late arrival.** The second request arrives once the first has produced "
+        f"{args.late_after_tokens} tokens.\n\n",
+        _late(late) + "\n\n",
+        "**Partial-prefix coordination.** 4 requests share a document and differ in their\n"
+        "tail, arriving together, under two cost regimes. Modes: exact_only (followers wait\n"
+        "only for an identical prompt) and partial (they wait for the shared prefix); vs exact:\n"
+        "against exact_only for the same case.\n\n",
+    ]
+    for regime, rows in part:
+        if regime == "calibrated":
+            text.append("Calibrated:\n\n")
+        else:
+            text.append(
+                f"Overhead-bound: the same model with prefill {OVERHEAD_BOUND_PREFILL_DIVISOR}x "
+                "cheaper per token (a GPU-like regime\nwhere the per-step cost dominates):\n\n"
+            )
+        text.append(_partial(rows) + "\n\n")
+    text += [
+        "**The single-flight study's subtler findings vs the decode step's fixed share.**\n"
+        "Batch-1 decode and the full prefill keep their measured times; the share of the batch-1\n"
+        "decode step that does not grow with the batch varies "
+        f"({share:.2f} is the calibrated split).\n\n",
+        _findings(finds) + "\n",
+    ]
+    write_stdout("".join(text))
     if args.json:
         data = {
             "cost_model": {
@@ -286,8 +301,5 @@ def run(args: argparse.Namespace) -> int:
             ],
             "findings": [f.as_dict() for f in finds],
         }
-        try:
-            Path(args.json).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-        except OSError as exc:
-            raise UsageError(f"cannot write {args.json!r}: {exc.strerror or exc}") from None
+        write_atomic(args.json, json.dumps(data, indent=2) + "\n")
     return 0

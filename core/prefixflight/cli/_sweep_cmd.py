@@ -8,11 +8,8 @@ replay; they run in parallel worker processes, each streaming the trace itself.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +25,8 @@ from prefixflight.core import (
     replay,
 )
 
-from ._io import read_trace
+from ._args import at_least, output_file, ratio, usage_errors
+from ._io import atomic_path, read_trace, write_atomic, write_stdout
 from ._progress import progress
 
 __all__ = ["format_table", "parse_capacities", "plot", "register", "run", "sweep"]
@@ -93,25 +91,47 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="comma-separated capacities in blocks, or 'auto' (log-spaced up to "
         "the trace's distinct block count)",
     )
-    p.add_argument("--block-size", type=int, default=512, metavar="B", help="default 512")
-    p.add_argument("--small-ratio", type=float, default=0.1, help="S3FIFO small queue (0.1)")
-    p.add_argument("--max-freq", type=int, default=3, help="S3FIFO freq cap (3)")
     p.add_argument(
-        "--ghost-admit-freq", type=int, default=0, help="freq of a ghost hit admitted to main (0)"
+        "--block-size", type=at_least(1), default=512, metavar="B", help="tokens per block"
+    )
+    p.add_argument(
+        "--small-ratio",
+        type=ratio,
+        default=0.1,
+        metavar="F",
+        help="S3FIFO: the small queue's share of the capacity, in [0, 1]",
+    )
+    p.add_argument(
+        "--max-freq",
+        type=at_least(0),
+        default=3,
+        metavar="N",
+        help="S3FIFO: the cap of a block's access frequency",
+    )
+    p.add_argument(
+        "--ghost-admit-freq",
+        type=at_least(0),
+        default=0,
+        metavar="N",
+        help="S3FIFO: the frequency a ghost hit enters the main queue with, <= --max-freq",
     )
     p.add_argument(
         "-j",
         "--jobs",
-        type=int,
+        type=at_least(1),
         default=None,
         metavar="N",
-        help="worker processes for S3FIFO (default: CPU count)",
+        help="worker processes for S3FIFO (default: the CPU count)",
     )
-    p.add_argument("--json", metavar="FILE", help="write the curves as JSON here")
+    p.add_argument(
+        "--json", type=output_file, metavar="FILE", help="write the curves as JSON here"
+    )
     p.add_argument(
         "--plot",
+        type=output_file,
         metavar="FILE.png",
-        help="draw hit rate versus capacity (needs the 'plot' extra: matplotlib)",
+        help="draw hit rate versus capacity, .png, .pdf or .svg (needs the 'plot' extra: "
+        "matplotlib)",
     )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=run, parser=p)
@@ -162,6 +182,8 @@ def _s3fifo_points(
             quiet=quiet,
         )
         return tuple(points)
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
     by_capacity: dict[int, CurvePoint] = {}
     with ProcessPoolExecutor(max_workers=min(jobs, len(configs))) as pool:
         futures = [pool.submit(_s3fifo_point, trace, c) for c in configs]
@@ -271,9 +293,8 @@ def plot(doc: dict[str, Any], path: str, *, block_size: int) -> None:
     ax.legend(title="policy")
     fig.tight_layout()
     try:
-        fig.savefig(path)
-    except OSError as exc:
-        raise UsageError(f"cannot write {path!r}: {exc.strerror or exc}") from None
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, format=Path(path).suffix.lower().lstrip(".") or None)
     finally:
         plt.close(fig)
 
@@ -284,6 +305,16 @@ _PLOT_FORMATS = (".png", ".pdf", ".svg")
 def run(args: argparse.Namespace) -> int:
     if args.plot and Path(args.plot).suffix.lower() not in _PLOT_FORMATS:
         args.parser.error(f"--plot {args.plot!r}: use a {', '.join(_PLOT_FORMATS)} file")
+    if args.trace == "-":
+        args.parser.error("sweep reads the trace more than once: give a file, not '-'")
+    with usage_errors(args.parser):  # e.g. --ghost-admit-freq above --max-freq
+        ReplayConfig(
+            cache_capacity_blocks=0,
+            block_size=args.block_size,
+            small_ratio=args.small_ratio,
+            max_freq=args.max_freq,
+            ghost_admit_freq=args.ghost_admit_freq,
+        ).make_policy()
     doc = sweep(
         args.trace,
         args.policies or list(_POLICIES),
@@ -295,12 +326,11 @@ def run(args: argparse.Namespace) -> int:
         jobs=args.jobs,
         quiet=args.quiet,
     )
-    sys.stdout.write(format_table(doc))
+    write_stdout(format_table(doc))
     if args.json:
-        try:
-            Path(args.json).write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
-        except OSError as exc:
-            raise UsageError(f"cannot write {args.json!r}: {exc.strerror or exc}") from None
+        import json
+
+        write_atomic(args.json, json.dumps(doc, indent=2) + "\n")
     if args.plot:
         plot(doc, args.plot, block_size=args.block_size)
     return 0

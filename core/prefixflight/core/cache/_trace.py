@@ -8,6 +8,7 @@ Opening and streaming files is the shell's job (`prefixflight.cli`).
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Iterator
 from typing import final
 
@@ -16,6 +17,9 @@ import attrs
 from .._errors import TraceFormatError
 
 __all__ = ["TraceReader", "TraceRecord", "parse_trace_line"]
+
+
+_INT = frozenset({int})
 
 
 def _is_int(v: object) -> bool:
@@ -33,11 +37,26 @@ class TraceRecord:
 
 
 def parse_trace_line(text: str | bytes, *, source: str = "<trace>", line: int = 1) -> TraceRecord:
-    """Parse one line; raise `TraceFormatError` naming ``source``, ``line`` and the field."""
+    """Parse one line; raise `TraceFormatError` naming ``source``, ``line`` and the field.
+
+    Bytes must be UTF-8; the error for bytes that are not names the line and the column.
+    NaN and infinite timestamps are rejected; so is JSON nested too deeply to parse.
+    """
+    if isinstance(text, bytes):
+        raw = text
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            bad = raw[exc.start : exc.start + 1].hex()
+            raise TraceFormatError(
+                source, line, None, f"not valid UTF-8 (byte 0x{bad} at column {exc.start + 1})"
+            ) from None
     try:
         obj = json.loads(text)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except ValueError as exc:
         raise TraceFormatError(source, line, None, f"not valid JSON ({exc})") from None
+    except RecursionError:
+        raise TraceFormatError(source, line, None, "not valid JSON (nested too deeply)") from None
     if not isinstance(obj, dict):
         raise TraceFormatError(
             source, line, None, f"expected a JSON object, got {type(obj).__name__}"
@@ -54,14 +73,15 @@ def parse_trace_line(text: str | bytes, *, source: str = "<trace>", line: int = 
     ids = obj["hash_ids"]
     if not isinstance(ids, list):
         raise TraceFormatError(source, line, "hash_ids", f"expected a list, got {ids!r}"[:200])
-    for h in ids:
-        if not _is_int(h):
-            raise TraceFormatError(
-                source, line, "hash_ids", f"expected a list of ints, found {h!r}"
-            )
+    if not _INT.issuperset(map(type, ids)):  # exactly int: json makes no subclasses but bool
+        bad = next(h for h in ids if type(h) is not int)
+        raise TraceFormatError(source, line, "hash_ids", f"expected a list of ints, found {bad!r}")
     ts = obj.get("timestamp")
-    if ts is not None and (isinstance(ts, bool) or not isinstance(ts, (int, float))):
-        raise TraceFormatError(source, line, "timestamp", f"expected a number, got {ts!r}")
+    if ts is not None:
+        if isinstance(ts, bool) or not isinstance(ts, (int, float)):
+            raise TraceFormatError(source, line, "timestamp", f"expected a number, got {ts!r}")
+        if not math.isfinite(ts):
+            raise TraceFormatError(source, line, "timestamp", f"must be finite, got {ts!r}")
     out = obj.get("output_length")
     if out is not None:
         if not _is_int(out):
@@ -71,11 +91,18 @@ def parse_trace_line(text: str | bytes, *, source: str = "<trace>", line: int = 
     return TraceRecord(input_length=n, hash_ids=tuple(ids), timestamp=ts, output_length=out)
 
 
+def _strip_bom(text: str | bytes) -> str | bytes:
+    if isinstance(text, bytes):
+        return text[3:] if text.startswith(b"\xef\xbb\xbf") else text
+    return text[1:] if text.startswith("\ufeff") else text
+
+
 @final
 class TraceReader:
     """Records from lines of text, streamed: memory is O(1) in the trace's length.
 
-    Blank lines are ignored. With ``skip_invalid=True`` a bad line is counted in
+    Lines are text or UTF-8 bytes; a UTF-8 byte order mark at the start of the first line is
+    ignored, and so are blank lines. With ``skip_invalid=True`` a bad line is counted in
     `skipped_lines` and skipped; otherwise it raises `TraceFormatError`.
     """
 
@@ -96,6 +123,8 @@ class TraceReader:
         source = self.source
         for number, text in enumerate(self._lines, start=1):
             self.lines_read = number
+            if number == 1:
+                text = _strip_bom(text)
             if not text.strip():
                 continue
             try:

@@ -1,0 +1,119 @@
+"""Whole-process cost of ``prefixflight replay`` against a standard-library replay script.
+
+Times, as separate processes and interleaved in rotating order, ``prefixflight replay TRACE
+--capacity-blocks N`` (the installed console script) and ``benchmarks/stdlib_replay.py``
+(about 150 lines, standard library only) doing the same replay, plus ``python -c pass`` and
+``python -c "import prefixflight.core"`` to show where the time goes. Checks that both
+replays print the same numbers, prints a table of medians and the ratio (stdlib script time
+/ ours: above 1 means ours is faster) and writes JSON.
+
+    python benchmarks/startup.py [--trace bundled:conversation] [--capacity 4096]
+                                 [--rounds 9] [--json docs/results/startup.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def _bundled_path(spec: str) -> str:
+    """The stdlib script takes a file path: resolve ``bundled:NAME`` the way the CLI does."""
+    if not spec.startswith("bundled:"):
+        return spec
+    from prefixflight.cli import BUNDLED_TRACES
+
+    name = BUNDLED_TRACES[spec.removeprefix("bundled:")]
+    import prefixflight.cli
+
+    return str(Path(prefixflight.cli.__file__).parent / "data" / name)
+
+
+def prefixflight_command() -> list[str]:
+    """The installed ``prefixflight`` console script beside this interpreter, as a user runs
+    it; ``python -m prefixflight.cli`` (which also pays for runpy) if there is none."""
+    script = Path(sys.executable).with_name("prefixflight")
+    if script.is_file() and os.access(script, os.X_OK):
+        return [str(script)]
+    return [sys.executable, "-m", "prefixflight.cli"]
+
+
+def commands(trace: str, capacity: int) -> dict[str, list[str]]:
+    py = sys.executable
+    cap = str(capacity)
+    return {
+        "prefixflight replay": [*prefixflight_command(), "replay", trace,
+                                "--capacity-blocks", cap],
+        "stdlib_replay.py": [py, str(HERE / "stdlib_replay.py"), _bundled_path(trace),
+                             "--capacity-blocks", cap],
+        "python -c pass": [py, "-c", "pass"],
+        "import prefixflight.core": [py, "-c", "import prefixflight.core"],
+    }  # fmt: skip
+
+
+def run_once(argv: list[str]) -> tuple[float, bytes]:
+    started = time.perf_counter()
+    proc = subprocess.run(argv, capture_output=True, check=True)
+    return time.perf_counter() - started, proc.stdout
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trace", default="bundled:conversation")
+    parser.add_argument("--capacity", type=int, default=4096)
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    cmds = commands(args.trace, args.capacity)
+    names = list(cmds)
+    seconds: dict[str, list[float]] = {n: [] for n in names}
+    outputs: dict[str, bytes] = {}
+    for name in names:  # warm the page cache and the bytecode caches; not timed
+        outputs[name] = run_once(cmds[name])[1]
+    ours = json.loads(outputs["prefixflight replay"])
+    theirs = json.loads(outputs["stdlib_replay.py"])
+    if ours != theirs:
+        raise SystemExit(f"the replays disagree:\n{ours}\n{theirs}")
+    for r in range(args.rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            seconds[name].append(run_once(cmds[name])[0])
+    medians = {n: statistics.median(v) for n, v in seconds.items()}
+    ratio = medians["stdlib_replay.py"] / medians["prefixflight replay"]
+    print(f"{'process':<26} {'median s':>9} {'min s':>7} {'max s':>7}")
+    for name in names:
+        v = seconds[name]
+        print(f"{name:<26} {medians[name]:>9.3f} {min(v):>7.3f} {max(v):>7.3f}")
+    print(
+        f"stdlib script time / prefixflight replay time: {ratio:.2f}x "
+        f"(target >= 1.2x; {args.rounds} interleaved rounds, load average "
+        f"{os.getloadavg()[0]:.2f})"
+    )
+    if args.json:
+        doc = {
+            "trace": args.trace,
+            "capacity_blocks": args.capacity,
+            "rounds": args.rounds,
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "load_average_1min_at_end": os.getloadavg()[0],
+            "report": ours,
+            "seconds": seconds,
+            "median_seconds": medians,
+            "stdlib_over_ours": ratio,
+            "commands": {n: [Path(a).name if "/" in a else a for a in c] for n, c in cmds.items()},
+        }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()

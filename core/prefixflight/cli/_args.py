@@ -1,0 +1,146 @@
+"""Argument parsing shared by every command: help that shows defaults, checked flag values.
+
+An invalid flag value is a usage error: argparse prints it with the command's usage and
+exits 2. The value checks below are argparse ``type=`` functions, so they run before any
+command starts; a constraint between flags is checked with `usage_errors`, which turns the
+`ConfigError` of a configuration built from flags into the same exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, NoReturn
+
+from prefixflight.core import PrefixflightError
+
+__all__ = [
+    "Formatter",
+    "Parser",
+    "VersionAction",
+    "at_least",
+    "finite_float",
+    "non_negative_float",
+    "output_file",
+    "positive_float",
+    "ratio",
+    "usage_errors",
+]
+
+
+class Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """`argparse.ArgumentDefaultsHelpFormatter`, except that options without a meaningful
+    default (``None``, or the ``False`` of a switch) show none, and a help that describes its
+    default in words (``(default: ...)``) is left as it is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or isinstance(action.default, bool):
+            return action.help
+        if action.help and "(default:" in action.help:  # says it in its own words
+            return action.help
+        return super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """An `ArgumentParser` whose help shows defaults; sub-parsers inherit the class."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", Formatter)
+        super().__init__(*args, **kwargs)
+
+
+class VersionAction(argparse.Action):
+    """``--version``: the installed distribution's version, looked up only when asked."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        kwargs.setdefault("help", "print the version and exit")
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> NoReturn:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            text = version("prefixflight")
+        except PackageNotFoundError:  # run from a source tree that is not installed
+            text = "unknown (not installed)"
+        parser._print_message(f"{parser.prog} {text}\n", sys.stdout)  # stdout, as argparse's
+        parser.exit()
+
+
+def at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an int >= ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    parse.__name__ = f"int >= {minimum}"
+    return parse
+
+
+def finite_float(text: str) -> float:
+    """An argparse type: a finite float."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be finite, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite float > 0."""
+    value = finite_float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """An argparse type: a finite float >= 0."""
+    value = finite_float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+    return value
+
+
+def ratio(text: str) -> float:
+    """An argparse type: a float in [0, 1]."""
+    value = finite_float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text!r}")
+    return value
+
+
+def output_file(text: str) -> str:
+    """An argparse type: a path to write (not empty, not a directory)."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a file name, got ''")
+    if text.endswith(("/", "\\")):
+        raise argparse.ArgumentTypeError(f"expected a file name, got a directory {text!r}")
+    return text
+
+
+@contextmanager
+def usage_errors(parser: argparse.ArgumentParser) -> Iterator[None]:
+    """Inside: a `PrefixflightError` (a configuration built from flags rejected its values)
+    becomes a usage error of ``parser``: its message and usage on stderr, exit 2."""
+    try:
+        yield
+    except PrefixflightError as exc:
+        parser.error(str(exc))

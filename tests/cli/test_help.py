@@ -1,0 +1,74 @@
+"""Every flag of every command is documented, defaults come from the parser, output fits."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Iterator
+
+import pytest
+
+from prefixflight.cli import main
+from prefixflight.cli._main import build_parser
+
+
+def parsers(
+    parser: argparse.ArgumentParser,
+) -> Iterator[tuple[argparse.ArgumentParser, list[argparse.Action]]]:
+    actions = list(parser._actions)
+    yield parser, actions
+    for action in actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                yield from parsers(child)
+
+
+def test_every_flag_of_every_command_has_a_help_text() -> None:
+    seen = 0
+    for parser, actions in parsers(build_parser()):
+        for action in actions:
+            if action.option_strings or action.dest not in ("command", "simulation", "bench"):
+                assert action.help and action.help.strip(), (parser.prog, action.dest)
+                seen += 1
+    assert seen > 80  # every command was walked
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [[], ["replay"], ["sweep"], ["simulate", "flight"], ["simulate", "router"],
+     ["bench", "ttft"], ["bench", "calibrate"], ["demo"]],
+)
+def test_help_shows_defaults_once_and_names_no_internal_references(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        main([*argv, "--help"])
+    assert info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for entry in re.split(r"\s(?=--?[a-z])", text):  # one option's help at a time
+        assert entry.count("(default") <= 1, entry
+    assert "default: None" not in text and "default: False" not in text
+    for internal in ("seed 0", "DESIGN.md", "MODEL.md", "PEERS.md"):
+        assert internal not in text
+
+
+def test_help_defaults_are_the_parser_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["simulate", "router", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--max-batch-size N burst: the most requests" in text
+    assert "(default: 1000)" in text and "(default: requests)" in text
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert re.fullmatch(r"prefixflight \S+\n", capsys.readouterr().out)
+
+
+def test_simulate_flight_fits_120_columns(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "flight", "--output-tokens", "8", "--late-after-tokens", "2"]) == 0
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= 120
+    assert "- fixed share 0.00:" in out  # the long findings are a list
