@@ -17,7 +17,7 @@ import contextlib
 import enum
 import itertools
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, final
 
 import attrs
@@ -339,7 +339,7 @@ class AsyncEngine:
     # -- requests --------------------------------------------------------------------------
     def generate(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | Iterable[int],
         sampling: SamplingParams | None = None,
         *,
         request_id: RequestId | None = None,
@@ -357,9 +357,14 @@ class AsyncEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise UsageError("a text prompt needs an engine made with a tokenizer")
-            ids: Sequence[int] = self.tokenizer(prompt)["input_ids"]
+            ids: tuple[int, ...] = tuple(self.tokenizer(prompt)["input_ids"])
         else:
-            ids = prompt
+            try:  # once: a one-shot iterator is read here and nowhere else
+                ids = tuple(prompt)
+            except TypeError:
+                raise UsageError(
+                    f"prompt must be text or an iterable of token ids, got {prompt!r}"
+                ) from None
         vocab = self.runner.vocab_size
         bad = [t for t in ids if isinstance(t, int) and not 0 <= t < vocab]
         if bad:  # checked here: inside a step it would fail every live request
