@@ -9,6 +9,7 @@ read once.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -20,8 +21,10 @@ pytest.importorskip("transformers")
 
 from prefixflight.backends.torch import (  # noqa: E402
     AsyncEngine,
+    EngineClosedError,
     EngineConfig,
     SamplingParams,
+    TransformersRunner,
 )
 
 pytestmark = pytest.mark.torch
@@ -66,6 +69,77 @@ def assert_nothing_held(engine: AsyncEngine) -> None:
     assert sched.outstanding is None
     assert sched.requests() == {}
     sched.check_invariants()
+
+
+class Gate:
+    """Holds the model step inside the worker thread once armed, until opened."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, *, fail: bool = False) -> None:
+        self.armed = False
+        self.entered = threading.Event()
+        self.opened = threading.Event()
+        original = TransformersRunner.execute
+        gate = self
+
+        def execute(runner: TransformersRunner, plan: Any) -> Any:
+            if gate.armed:
+                gate.entered.set()
+                if fail:
+                    raise RuntimeError("device lost")
+                assert gate.opened.wait(WAIT), "the test never opened the gate"
+            return original(runner, plan)
+
+        monkeypatch.setattr(TransformersRunner, "execute", execute)
+
+
+def test_close_during_a_step_frees_every_page(
+    tiny_model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 9 #6: requests aborted by `close` inside a step released their pins and pages."""
+    gate = Gate(monkeypatch)
+    prefix = prompt_of(1, 24)
+
+    async def main() -> None:
+        engine = engine_for(tiny_model)
+        await engine.generate(prefix, SamplingParams(max_tokens=2)).result()
+        gate.armed = True
+        # a cache hit (pinned pages) and a flight (a leader and its follower)
+        gens = [engine.generate([*prefix, 7, 8, 9], SamplingParams(max_tokens=40)) for _ in (0, 1)]
+        assert await asyncio.to_thread(gate.entered.wait, WAIT)
+        assert engine.scheduler.outstanding is not None
+        closing = asyncio.create_task(engine.close())
+        await until(lambda: engine.closed, "close to start")
+        gate.opened.set()
+        await closing
+        for gen in gens:
+            with pytest.raises(EngineClosedError):
+                await gen.result()
+        assert_nothing_held(engine)
+
+    run(main)
+
+
+def test_close_after_a_model_exception_frees_every_page(
+    tiny_model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 9 #6: a failed step left its requests running and their pages held."""
+    gate = Gate(monkeypatch, fail=True)
+    prefix = prompt_of(2, 24)
+
+    async def main() -> None:
+        engine = engine_for(tiny_model)
+        await engine.generate(prefix, SamplingParams(max_tokens=2)).result()
+        gate.armed = True
+        gens = [engine.generate([*prefix, 5, 6], SamplingParams(max_tokens=40)) for _ in range(3)]
+        for gen in gens:
+            with pytest.raises(RuntimeError, match="device lost"):
+                await gen.result()
+        assert engine.closed
+        assert_nothing_held(engine)  # already after the failure, before close
+        await engine.close()
+        assert_nothing_held(engine)
+
+    run(main)
 
 
 def test_iterator_prompt_is_read_once(tiny_model: Any) -> None:

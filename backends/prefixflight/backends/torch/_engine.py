@@ -37,6 +37,7 @@ from prefixflight.core import (
     Scheduler,
     SchedulerConfig,
     StepOutcome,
+    StepResult,
     UsageError,
 )
 from prefixflight.core._validate import check_int
@@ -424,14 +425,43 @@ class AsyncEngine:
                     result = await asyncio.shield(future)
                 except asyncio.CancelledError:
                     await asyncio.wait([future])  # never leave the worker writing the pool
+                    self._settle(future)
                     raise
                 self._deliver(sched.complete_step(result, self._clock()))
                 await asyncio.sleep(0)  # let consumers and new arrivals run between steps
         except Exception as exc:  # a model or backend failure: fail every request, stop
             self._error = exc
-            for gen in list(self._live.values()):
-                gen._fail(exc)
-            self._live.clear()
+            self._fail_all(exc)
+
+    def _settle(self, future: asyncio.Future[StepResult]) -> None:
+        """Complete the step the loop was cancelled in (by `close`), so that the requests
+        aborted during it hand back their pins and pages."""
+        exc = None if future.cancelled() else future.exception()
+        if exc is not None or future.cancelled():
+            self._fail_all(exc if exc is not None else EngineClosedError("the step was cancelled"))
+        else:
+            self._deliver(self._scheduler.complete_step(future.result(), self._clock()))
+
+    def _fail_all(self, exc: BaseException) -> None:
+        """Abort every live request with ``exc`` and close the step they were in: nothing
+        the failed step computed is used, and every pin and private page is handed back."""
+        sched = self._scheduler
+        live = list(self._live.values())
+        self._live.clear()
+        for gen in live:
+            with contextlib.suppress(PrefixflightError):
+                gen.report = sched.abort(gen.request_id, now=self._clock())
+            self.runner.discard(gen.request_id)
+            gen._fail(exc)
+        plan = sched.outstanding
+        if plan is not None:
+            # every request of the plan is aborted now, so the scheduler discards what this
+            # result says; it only closes the step (the aborted requests' pages come back)
+            sampled = [(p.request_id, 0) for p in plan.prefills if p.sample]
+            sampled += [(d.request_id, 0) for d in plan.decodes]
+            result = StepResult(step=plan.step, sampled=tuple(sampled))
+            with contextlib.suppress(PrefixflightError):
+                sched.complete_step(result, self._clock())
 
     def _deliver(self, outcome: StepOutcome) -> None:
         live = self._live
