@@ -9,6 +9,8 @@ read once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -26,6 +28,7 @@ from prefixflight.backends.torch import (  # noqa: E402
     SamplingParams,
     TransformersRunner,
 )
+from prefixflight.core import FinishReason  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -138,6 +141,66 @@ def test_close_after_a_model_exception_frees_every_page(
         assert_nothing_held(engine)  # already after the failure, before close
         await engine.close()
         assert_nothing_held(engine)
+
+    run(main)
+
+
+def test_break_out_of_async_for_aborts_the_request(tiny_model: Any) -> None:
+    """Issue 9 #7: ``break`` left the request decoding to its end."""
+
+    async def main() -> None:
+        async with engine_for(tiny_model) as engine:
+            got = []
+            async for tok in engine.generate(prompt_of(3, 10), SamplingParams(max_tokens=100)):
+                got.append(tok)
+                if len(got) == 2:
+                    break
+            await until(lambda: not engine.scheduler.has_unfinished, "the request to end")
+            stats = engine.scheduler.stats
+            assert (stats.aborted, stats.finished) == (1, 0)
+            assert stats.decode_tokens < 99
+            assert_nothing_held(engine)
+
+    run(main)
+
+
+def test_aclose_aborts_the_request(tiny_model: Any) -> None:
+    """Issue 9 #7: a Generation closes like an async generator (``aclose``, `aclosing`)."""
+
+    async def main() -> None:
+        async with engine_for(tiny_model) as engine:
+            gen = engine.generate(prompt_of(4, 10), SamplingParams(max_tokens=100))
+            first = await gen.__anext__()
+            assert isinstance(first, int)
+            await gen.aclose()
+            assert gen.report is not None and gen.report.finish_reason is FinishReason.ABORTED
+            assert [tok async for tok in gen] == []  # closed: nothing more, like a generator
+            await gen.aclose()  # idempotent
+            async with contextlib.aclosing(
+                engine.generate(prompt_of(5, 10), SamplingParams(max_tokens=100))
+            ) as stream:
+                async for _ in stream:
+                    break
+            await until(lambda: not engine.scheduler.has_unfinished, "the requests to end")
+            assert engine.scheduler.stats.aborted == 2
+            assert_nothing_held(engine)
+
+    run(main)
+
+
+def test_garbage_collected_generation_aborts_the_request(tiny_model: Any) -> None:
+    """Issue 9 #7: a dropped, unfinished Generation decoded to its end."""
+
+    async def main() -> None:
+        async with engine_for(tiny_model) as engine:
+            gen = engine.generate(prompt_of(6, 10), SamplingParams(max_tokens=100))
+            await gen.__anext__()
+            del gen
+            gc.collect()
+            await until(lambda: not engine.scheduler.has_unfinished, "the request to end")
+            stats = engine.scheduler.stats
+            assert (stats.aborted, stats.finished) == (1, 0)
+            assert_nothing_held(engine)
 
     run(main)
 

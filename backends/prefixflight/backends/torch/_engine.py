@@ -141,38 +141,85 @@ _END = _End.END
 
 
 @final
+class _Stream:
+    """The engine's side of one request: its tokens and its end, queued for the consumer.
+
+    The engine holds this, never the caller's `Generation`, so that dropping the Generation
+    (``break`` out of ``async for``, garbage collection) can abort the request.
+    """
+
+    __slots__ = ("queue", "report", "request_id", "tokens")
+
+    def __init__(self, request_id: RequestId) -> None:
+        self.request_id = request_id
+        self.queue: asyncio.Queue[int | _End | BaseException] = asyncio.Queue()
+        self.tokens: list[int] = []
+        self.report: RequestReport | None = None
+
+    def push(self, token: int) -> None:
+        self.tokens.append(token)
+        self.queue.put_nowait(token)
+
+    def finish(self, report: RequestReport) -> None:
+        self.report = report
+        self.queue.put_nowait(_END)
+
+    def fail(self, exc: BaseException) -> None:
+        self.queue.put_nowait(exc)
+
+
+@final
 class Generation:
     """One request's token stream: ``async for token in generation``.
 
-    Finishing the iteration (``max_tokens`` or a stop token) sets `report`. Cancelling the
-    task that iterates aborts the request: its pages are released and, if it led a flight,
-    a follower takes over. `cancel` does the same without a task; ``async with`` cancels an
-    unfinished request on exit.
+    It closes like an async generator, and closing an unfinished stream aborts the request
+    (its pages are released and, if it led a flight, a follower takes over):
+
+    - ``await generation.aclose()`` (so ``contextlib.aclosing(engine.generate(...))`` works),
+      after which iteration stops;
+    - ``break`` out of ``async for token in engine.generate(...)``: the loop held the only
+      reference, so the stream is garbage and is finalised, as an async generator would be;
+    - garbage collection of an unfinished stream;
+    - cancelling the task that iterates, `cancel`, or leaving ``async with generation``.
+
+    Finalisation never runs engine code where the collector happens to run: it schedules
+    the abort on the engine's event loop (thread-safe), like asyncio's own async-generator
+    finaliser. A stream you still hold is not closed by ``break``, just as a held async
+    generator is not; use ``aclose``/``aclosing`` for a deterministic close. Finishing the
+    iteration (``max_tokens`` or a stop token) sets `report`.
     """
 
-    __slots__ = ("_engine", "_queue", "report", "request_id", "tokens")
+    __slots__ = ("_closed", "_engine", "_stream", "request_id")
 
-    def __init__(self, engine: AsyncEngine, request_id: RequestId) -> None:
+    def __init__(self, engine: AsyncEngine, stream: _Stream) -> None:
         self._engine = engine
-        self._queue: asyncio.Queue[int | _End | BaseException] = asyncio.Queue()
-        self.request_id = request_id
-        self.tokens: list[int] = []
+        self._stream = stream
+        self._closed = False
+        self.request_id = stream.request_id
+
+    @property
+    def tokens(self) -> list[int]:
         """Tokens delivered so far."""
-        self.report: RequestReport | None = None
+        return self._stream.tokens
+
+    @property
+    def report(self) -> RequestReport | None:
         """The scheduler's report (role, cached tokens, TTFT, latency) once finished."""
+        return self._stream.report
 
     @property
     def done(self) -> bool:
-        return self.report is not None
+        return self._stream.report is not None
 
     def __aiter__(self) -> Generation:
         return self
 
     async def __anext__(self) -> int:
-        if self.report is not None and self._queue.empty():
+        stream = self._stream
+        if self._closed or (stream.report is not None and stream.queue.empty()):
             raise StopAsyncIteration
         try:
-            item = await self._queue.get()
+            item = await stream.queue.get()
         except asyncio.CancelledError:
             self.cancel()
             raise
@@ -186,13 +233,19 @@ class Generation:
         """Consume the rest of the stream and return the report."""
         async for _ in self:
             pass
-        assert self.report is not None
-        return self.report
+        report = self._stream.report
+        assert report is not None
+        return report
 
     def cancel(self) -> None:
         """Abort the request unless it already finished (idempotent)."""
-        if self.report is None:
-            self._engine._abort(self)
+        if self._stream.report is None:
+            self._engine._abort(self._stream)
+
+    async def aclose(self) -> None:
+        """Abort the request unless it finished, and end the iteration (idempotent)."""
+        self.cancel()
+        self._closed = True
 
     async def __aenter__(self) -> Generation:
         return self
@@ -200,17 +253,10 @@ class Generation:
     async def __aexit__(self, *exc: object) -> None:
         self.cancel()
 
-    # called by the engine, on the event loop
-    def _push(self, token: int) -> None:
-        self.tokens.append(token)
-        self._queue.put_nowait(token)
-
-    def _finish(self, report: RequestReport) -> None:
-        self.report = report
-        self._queue.put_nowait(_END)
-
-    def _fail(self, exc: BaseException) -> None:
-        self._queue.put_nowait(exc)
+    def __del__(self) -> None:
+        stream = getattr(self, "_stream", None)  # None if __init__ never ran
+        if stream is not None and stream.report is None:
+            self._engine._abort_soon(stream)
 
 
 @final
@@ -231,6 +277,7 @@ class AsyncEngine:
         "_executor",
         "_ids",
         "_live",
+        "_loop",
         "_scheduler",
         "_task",
         "_wake",
@@ -263,13 +310,14 @@ class AsyncEngine:
         self.tokenizer = tokenizer
         self._clock = clock
         self._scheduler = config.scheduler()
-        self._live: dict[RequestId, Generation] = {}
+        self._live: dict[RequestId, _Stream] = {}
         self._ids: Iterator[int] = itertools.count()
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._task: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
         self._error: BaseException | None = None
         self._closed = False
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     @classmethod
     def from_model(
@@ -314,13 +362,14 @@ class AsyncEngine:
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="prefixflight-step"
         )
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="prefixflight-engine")
+        self._loop = asyncio.get_running_loop()
+        self._task = self._loop.create_task(self._run(), name="prefixflight-engine")
 
     async def close(self) -> None:
         """Abort every unfinished request, wait for the step in progress, stop the loop."""
         self._closed = True
-        for gen in list(self._live.values()):
-            self._abort(gen, closing=True)
+        for stream in list(self._live.values()):
+            self._abort(stream, closing=True)
         task = self._task
         if task is not None and not task.done():
             task.cancel()
@@ -381,23 +430,33 @@ class AsyncEngine:
             namespace=namespace,
             stop_token_ids=sampling.stop_token_ids,
         )
-        gen = Generation(self, rid)
-        self._live[rid] = gen
+        stream = _Stream(rid)
+        self._live[rid] = stream
         self.runner.set_sampling(rid, sampling)
         self._poke()
-        return gen
+        return Generation(self, stream)
 
-    def _abort(self, gen: Generation, *, closing: bool = False) -> None:
-        if self._live.pop(gen.request_id, None) is None:
-            return
-        report = self._scheduler.abort(gen.request_id, now=self._clock())
-        self.runner.discard(gen.request_id)
+    def _abort(self, stream: _Stream, *, closing: bool = False) -> None:
+        rid = stream.request_id
+        if self._live.get(rid) is not stream:
+            return  # already ended (or the id was reused since)
+        del self._live[rid]
+        report = self._scheduler.abort(rid, now=self._clock())
+        self.runner.discard(rid)
         if closing:
-            gen.report = report
-            gen._fail(EngineClosedError(f"request {gen.request_id!r}: the engine was closed"))
+            stream.report = report
+            stream.fail(EngineClosedError(f"request {rid!r}: the engine was closed"))
         else:
-            gen._finish(report)
+            stream.finish(report)
         self._poke()
+
+    def _abort_soon(self, stream: _Stream) -> None:
+        """Abort from a finaliser: on the engine's loop, whichever thread collected."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(self._abort, stream)
 
     def _poke(self) -> None:
         if self._wake is not None:
@@ -448,11 +507,11 @@ class AsyncEngine:
         sched = self._scheduler
         live = list(self._live.values())
         self._live.clear()
-        for gen in live:
+        for stream in live:
             with contextlib.suppress(PrefixflightError):
-                gen.report = sched.abort(gen.request_id, now=self._clock())
-            self.runner.discard(gen.request_id)
-            gen._fail(exc)
+                stream.report = sched.abort(stream.request_id, now=self._clock())
+            self.runner.discard(stream.request_id)
+            stream.fail(exc)
         plan = sched.outstanding
         if plan is not None:
             # every request of the plan is aborted now, so the scheduler discards what this
@@ -466,11 +525,11 @@ class AsyncEngine:
     def _deliver(self, outcome: StepOutcome) -> None:
         live = self._live
         for rid, token in outcome.tokens:
-            gen = live.get(rid)
-            if gen is not None:
-                gen._push(token)
+            stream = live.get(rid)
+            if stream is not None:
+                stream.push(token)
         for report in outcome.finished:
-            gen = live.pop(report.request_id, None)
+            stream = live.pop(report.request_id, None)
             self.runner.discard(report.request_id)
-            if gen is not None:
-                gen._finish(report)
+            if stream is not None:
+                stream.finish(report)
