@@ -17,7 +17,7 @@ import contextlib
 import enum
 import itertools
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, final
 
 import attrs
@@ -26,6 +26,7 @@ from prefixflight.core import (
     LRU,
     S3FIFO,
     ConfigError,
+    EventSink,
     FlightConfig,
     FlightCoordinator,
     PrefixCache,
@@ -109,8 +110,14 @@ class EngineConfig:
                 f"({self.max_running}) so every running request can decode each step"
             )
 
-    def scheduler(self, num_pages: int | None = None) -> Scheduler:
-        """A fresh scheduler (with its own cache and coordinator) for this configuration."""
+    def scheduler(
+        self, num_pages: int | None = None, *, event_sink: EventSink | None = None
+    ) -> Scheduler:
+        """A fresh scheduler (with its own cache and coordinator) for this configuration.
+
+        ``event_sink`` receives the cache's KV events (``BlockStored``, ``BlockRemoved``,
+        ``AllBlocksCleared``), e.g. a publisher that puts them on the wire for a router.
+        """
         pages = self.num_pages if num_pages is None else num_pages
         policy = LRU(pages) if self.eviction == "lru" else S3FIFO(pages)
         publish = (
@@ -124,13 +131,23 @@ class EngineConfig:
                 max_running=self.max_running,
                 publish=publish,
             ),
-            cache=PrefixCache(policy, self.page_size),
+            cache=PrefixCache(policy, self.page_size, event_sink=event_sink),
             coordinator=FlightCoordinator(
                 FlightConfig(
                     policy=self.release_policy, max_wait=self.max_wait, block_size=self.page_size
                 )
             ),
         )
+
+
+def _eos_of(tokenizer: Any) -> frozenset[int]:
+    """The tokenizer's end-of-sequence id(s); for a chat model it is the end-of-turn token."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(eos, int) and not isinstance(eos, bool):
+        return frozenset((eos,))
+    if isinstance(eos, (list, tuple)):
+        return frozenset(t for t in eos if isinstance(t, int) and not isinstance(t, bool))
+    return frozenset()
 
 
 class _End(enum.Enum):
@@ -273,6 +290,7 @@ class AsyncEngine:
     __slots__ = (
         "_clock",
         "_closed",
+        "_eos",
         "_error",
         "_executor",
         "_ids",
@@ -292,6 +310,8 @@ class AsyncEngine:
         config: EngineConfig | None = None,
         *,
         tokenizer: Any = None,
+        eos_token_ids: Iterable[int] | None = None,
+        event_sink: EventSink | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         config = EngineConfig() if config is None else config
@@ -305,11 +325,19 @@ class AsyncEngine:
             raise ConfigError(
                 f"config num_pages {config.num_pages} > the runner's pool ({pool.num_pages})"
             )
+        eos = _eos_of(tokenizer) if eos_token_ids is None else frozenset(eos_token_ids)
+        for t in eos:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < runner.vocab_size:
+                raise ConfigError(
+                    f"eos token id {t!r} is not in the model's vocabulary [0, "
+                    f"{runner.vocab_size})"
+                )
         self.runner = runner
         self.config = config
         self.tokenizer = tokenizer
+        self._eos = eos
         self._clock = clock
-        self._scheduler = config.scheduler()
+        self._scheduler = config.scheduler(event_sink=event_sink)
         self._live: dict[RequestId, _Stream] = {}
         self._ids: Iterator[int] = itertools.count()
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
@@ -326,6 +354,8 @@ class AsyncEngine:
         config: EngineConfig | None = None,
         *,
         tokenizer: Any = None,
+        eos_token_ids: Iterable[int] | None = None,
+        event_sink: EventSink | None = None,
         device: str | None = None,
         dtype: str | None = None,
     ) -> AsyncEngine:
@@ -338,7 +368,9 @@ class AsyncEngine:
             device=device,
             dtype=dtype,
         )
-        return cls(runner, config, tokenizer=tokenizer)
+        return cls(
+            runner, config, tokenizer=tokenizer, eos_token_ids=eos_token_ids, event_sink=event_sink
+        )
 
     # -- views -----------------------------------------------------------------------------
     @property
@@ -397,13 +429,79 @@ class AsyncEngine:
     ) -> Generation:
         """Submit a request now; iterate the result for its tokens.
 
+        ``namespace`` separates tenants (a cache salt, a user): requests in different
+        namespaces never share cached blocks or a flight. Generation stops at
+        `eos_token_ids` unless ``sampling.ignore_eos``.
+
         Raises `UsageError` at once for a bad prompt, a duplicate ``request_id`` or a request
         that can never fit in the pool (the engine is unchanged).
         """
         self.start()
+        sampling = self._check_sampling(sampling)
+        ids = self._prompt_ids(prompt)
+        rid = self._new_id() if request_id is None else request_id
+        return self._submit(rid, ids, sampling, namespace)
+
+    def generate_n(
+        self,
+        prompt: str | Iterable[int],
+        sampling: SamplingParams | None = None,
+        n: int = 1,
+        *,
+        request_ids: Sequence[RequestId] | None = None,
+        namespace: str | bytes = b"",
+    ) -> tuple[Generation, ...]:
+        """``n`` answers to one prompt (OpenAI's ``n``): one prefill, ``n`` decodes.
+
+        The ``n`` requests arrive together with the same prompt and namespace, so the flight
+        coordinator elects one leader and the others follow it (with ``release_policy``
+        ``INDEPENDENT`` each computes its own prefill). Each samples on its own: with a
+        ``seed``, answer ``i`` uses ``seed + i`` (as vLLM's parallel sampling does), so the
+        answers differ and are reproducible. All ``n`` are submitted or none.
+        """
+        self.start()
+        check_int("n", n, minimum=1)
+        sampling = self._check_sampling(sampling)
+        ids = self._prompt_ids(prompt)
+        if request_ids is None:
+            rids: list[RequestId] = []
+            for _ in range(n):
+                rid = self._new_id()
+                while rid in rids:  # pragma: no cover - the counter never repeats
+                    rid = self._new_id()
+                rids.append(rid)
+        else:
+            rids = list(request_ids)
+            if len(rids) != n or len(set(rids)) != n:
+                raise UsageError(f"request_ids must be {n} distinct ids, got {request_ids!r}")
+        gens: list[Generation] = []
+        try:
+            for i, rid in enumerate(rids):
+                seeded = (
+                    sampling
+                    if sampling.seed is None
+                    else attrs.evolve(sampling, seed=sampling.seed + i)
+                )
+                gens.append(self._submit(rid, ids, seeded, namespace))
+        except PrefixflightError:
+            for gen in gens:  # all or nothing
+                gen.cancel()
+            raise
+        return tuple(gens)
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Token ids that end every request (unless ``ignore_eos``): the ones given to the
+        engine, else the tokenizer's ``eos_token_id`` (``<|im_end|>`` for SmolLM2)."""
+        return self._eos
+
+    def _check_sampling(self, sampling: SamplingParams | None) -> SamplingParams:
         sampling = SamplingParams() if sampling is None else sampling
         if not isinstance(sampling, SamplingParams):
             raise UsageError(f"sampling must be SamplingParams, got {sampling!r}")
+        return sampling
+
+    def _prompt_ids(self, prompt: str | Iterable[int]) -> tuple[int, ...]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise UsageError("a text prompt needs an engine made with a tokenizer")
@@ -419,16 +517,31 @@ class AsyncEngine:
         bad = [t for t in ids if isinstance(t, int) and not 0 <= t < vocab]
         if bad:  # checked here: inside a step it would fail every live request
             raise UsageError(f"token id {bad[0]!r} is not in [0, {vocab})")
-        rid = next(self._ids) if request_id is None else request_id
-        while request_id is None and rid in self._live:  # pragma: no cover - user took it
+        return ids
+
+    def _new_id(self) -> RequestId:
+        rid = next(self._ids)
+        while rid in self._live:  # pragma: no cover - the caller took it
             rid = next(self._ids)
+        return rid
+
+    def _submit(
+        self,
+        rid: RequestId,
+        ids: tuple[int, ...],
+        sampling: SamplingParams,
+        namespace: str | bytes,
+    ) -> Generation:
+        stop = sampling.stop_token_ids
+        if not sampling.ignore_eos and self._eos:
+            stop = (*stop, *sorted(self._eos))
         self._scheduler.add_request(
             rid,
             ids,
             max_new_tokens=sampling.max_tokens,
             now=self._clock(),
             namespace=namespace,
-            stop_token_ids=sampling.stop_token_ids,
+            stop_token_ids=stop,
         )
         stream = _Stream(rid)
         self._live[rid] = stream
