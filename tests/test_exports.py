@@ -6,7 +6,13 @@ import importlib
 
 import pytest
 
-PACKAGES = ["prefixflight.core", "prefixflight.specs", "prefixflight.cli", "prefixflight.backends"]
+PACKAGES = [
+    "prefixflight.core",
+    "prefixflight.specs",
+    "prefixflight.cli",
+    "prefixflight.backends",
+    "prefixflight.serve",
+]
 TORCH_PACKAGES = ["prefixflight.backends.torch"]  # need the torch extra
 
 

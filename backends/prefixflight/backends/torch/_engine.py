@@ -70,6 +70,11 @@ def _check_max_wait(_i: object, _a: object, value: Any) -> None:
         raise ConfigError(f"max_wait must be None or a number of seconds >= 0, got {value!r}")
 
 
+def _check_min_shared(_i: object, _a: object, value: int | None) -> None:
+    if value is not None:
+        check_int("min_shared_blocks", value, minimum=1)
+
+
 def _positive(name: str) -> Callable[[object, object, object], None]:
     def check(_i: object, _a: object, value: object) -> None:
         check_int(name, value, minimum=1)
@@ -90,6 +95,9 @@ class EngineConfig:
       ``max_running``: running requests at most (the decode batch).
     - ``eviction``: the prefix cache's policy, ``"lru"`` or ``"s3fifo"``.
     - ``max_wait``: seconds a follower waits for its leader before computing on its own.
+    - ``min_shared_blocks``: also coordinate requests that share at least this many leading
+      blocks with an open flight (partial-prefix mode); ``None`` (default): identical
+      prompts only.
     """
 
     release_policy: ReleasePolicy = attrs.field(
@@ -102,6 +110,7 @@ class EngineConfig:
     max_running: int = attrs.field(default=16, validator=_positive("max_running"))
     eviction: str = attrs.field(default="lru", validator=_check_eviction)
     max_wait: float | None = attrs.field(default=None, validator=_check_max_wait)
+    min_shared_blocks: int | None = attrs.field(default=None, validator=_check_min_shared)
 
     def __attrs_post_init__(self) -> None:
         if self.max_batch_tokens < self.max_running:
@@ -134,7 +143,10 @@ class EngineConfig:
             cache=PrefixCache(policy, self.page_size, event_sink=event_sink),
             coordinator=FlightCoordinator(
                 FlightConfig(
-                    policy=self.release_policy, max_wait=self.max_wait, block_size=self.page_size
+                    policy=self.release_policy,
+                    max_wait=self.max_wait,
+                    block_size=self.page_size,
+                    min_shared_blocks=self.min_shared_blocks,
                 )
             ),
         )
