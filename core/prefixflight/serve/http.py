@@ -640,7 +640,8 @@ def serve(
     log_level: str = "warning",
     access_log: bool = False,
 ) -> None:
-    """Serve ``app`` on an already bound socket until interrupted (Ctrl-C, SIGTERM)."""
+    """Serve ``app`` on an already bound socket until interrupted; Ctrl-C (SIGINT) shuts
+    down gracefully (the engine is closed) and returns normally."""
     import uvicorn
 
     config = uvicorn.Config(
@@ -651,4 +652,6 @@ def serve(
         lifespan="on",
     )
     server = uvicorn.Server(config)
-    asyncio.run(server.serve(sockets=[sock]))
+    # uvicorn re-raises the signal it stopped for once it has shut down
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(server.serve(sockets=[sock]))
