@@ -55,6 +55,7 @@ class ServeMetrics:
     process, as tests do)."""
 
     __slots__ = (
+        "_computed",
         "_e2e",
         "_followers_released",
         "_generation_tokens",
@@ -85,6 +86,10 @@ class ServeMetrics:
         ).labels(*values)
         self._prompt_tokens = counter(
             "vllm:prompt_tokens", "Number of prefill tokens processed."
+        ).labels(*values)
+        self._computed = counter(
+            "prefixflight:computed_prompt_tokens",
+            "Prompt tokens computed by the model (the rest were reused from the cache).",
         ).labels(*values)
         self._generation_tokens = counter(
             "vllm:generation_tokens", "Number of generation tokens processed."
@@ -148,7 +153,8 @@ class ServeMetrics:
         if report.admitted_at is not None:  # it looked the cache up and ran
             self._queries.inc(report.prompt_tokens)
             self._hits.inc(report.cached_tokens)
-            self._prompt_tokens.inc(report.computed_prompt_tokens)
+            self._prompt_tokens.inc(report.prompt_tokens)
+            self._computed.inc(report.computed_prompt_tokens)
             if report.role is Role.FOLLOWER:
                 self._followers_released.inc()
         self._generation_tokens.inc(len(report.output_token_ids))
