@@ -51,9 +51,24 @@ SYSTEM = (
     "so instead of guessing. Never invent train numbers or flight numbers. Prefer public "
     "transport over taxis, and mention accessibility when it matters. "
 ) * 3
-TOPICS = ("Paris", "Rome", "Berlin", "Madrid", "Vienna", "Prague", "Lisbon", "Athens",
-          "Dublin", "Oslo", "Warsaw", "Brussels", "Budapest", "Helsinki", "Copenhagen",
-          "Amsterdam")
+TOPICS = (
+    "Paris",
+    "Rome",
+    "Berlin",
+    "Madrid",
+    "Vienna",
+    "Prague",
+    "Lisbon",
+    "Athens",
+    "Dublin",
+    "Oslo",
+    "Warsaw",
+    "Brussels",
+    "Budapest",
+    "Helsinki",
+    "Copenhagen",
+    "Amsterdam",
+)
 
 
 def question(round_: int, client: int) -> list[dict[str, str]]:
@@ -92,8 +107,9 @@ class Side:
         return out
 
 
-async def direct_round(engine: AsyncEngine, codec: HFCodec, r: int, n: int, max_tokens: int,
-                       side: Side) -> None:
+async def direct_round(
+    engine: AsyncEngine, codec: HFCodec, r: int, n: int, max_tokens: int, side: Side
+) -> None:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
     async def one(c: int) -> None:
@@ -114,8 +130,9 @@ async def direct_round(engine: AsyncEngine, codec: HFCodec, r: int, n: int, max_
     side.wall += time.perf_counter() - start
 
 
-async def http_round(client: httpx.AsyncClient, model: str, r: int, n: int, max_tokens: int,
-                     side: Side | None) -> None:
+async def http_round(
+    client: httpx.AsyncClient, model: str, r: int, n: int, max_tokens: int, side: Side | None
+) -> None:
     async def one(c: int) -> None:
         body = {
             "model": model,
@@ -137,8 +154,10 @@ async def http_round(client: httpx.AsyncClient, model: str, r: int, n: int, max_
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
                     raise RuntimeError(chunk["error"]["message"])
-                if first is None and chunk["choices"] and chunk["choices"][0]["delta"].get(
-                    "content"
+                if (
+                    first is None
+                    and chunk["choices"]
+                    and chunk["choices"][0]["delta"].get("content")
                 ):
                     first = time.perf_counter() - sent
                 if chunk.get("usage"):
@@ -162,10 +181,24 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str, 
         [str(ROOT / "core"), str(ROOT / "specs"), str(ROOT / "backends")]
         + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
     )
-    cmd = [sys.executable, "-m", "prefixflight.cli", "serve", "--host", "127.0.0.1",
-           "--port", "0", "--num-pages", str(args.num_pages), "--threads", str(args.threads),
-           "--max-running", str(max(16, args.clients)),
-           "--max-waiting", str(4 * args.clients)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "prefixflight.cli",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--num-pages",
+        str(args.num_pages),
+        "--threads",
+        str(args.threads),
+        "--max-running",
+        str(max(16, args.clients)),
+        "--max-waiting",
+        str(4 * args.clients),
+    ]
     proc = subprocess.Popen(
         cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env
     )
@@ -224,8 +257,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             proc.stderr.close()
     d = direct.summary(cached=False)
     h = http.summary(cached=True)
-    return {"clients": args.clients, "direct": d, "http": h,
-            "ttft_overhead": h["ttft_p50"] / d["ttft_p50"]}
+    return {
+        "clients": args.clients,
+        "direct": d,
+        "http": h,
+        "ttft_overhead": h["ttft_p50"] / d["ttft_p50"],
+    }
 
 
 def main() -> None:
@@ -245,18 +282,26 @@ def main() -> None:
     started = time.perf_counter()
     report = asyncio.run(asyncio.wait_for(run(args), timeout=args.timeout))
     d, h = report["direct"], report["http"]
-    print(f"{args.clients} concurrent streaming clients x {args.rounds} rounds, "
-          f"{args.max_tokens} tokens each, SmolLM2-135M-Instruct, {args.threads} threads "
-          f"(load average {load_before:.1f} before, run took "
-          f"{time.perf_counter() - started:.0f} s)")
+    print(
+        f"{args.clients} concurrent streaming clients x {args.rounds} rounds, "
+        f"{args.max_tokens} tokens each, SmolLM2-135M-Instruct, {args.threads} threads "
+        f"(load average {load_before:.1f} before, run took "
+        f"{time.perf_counter() - started:.0f} s)"
+    )
     print(f"{'side':<8}{'TTFT p50':>11}{'TTFT p95':>11}{'tokens/s':>10}{'cached share':>14}")
-    print(f"{'direct':<8}{d['ttft_p50']:>10.3f}s{d['ttft_p95']:>10.3f}s"
-          f"{d['tokens_per_s']:>10.1f}{'-':>14}")
-    print(f"{'http':<8}{h['ttft_p50']:>10.3f}s{h['ttft_p95']:>10.3f}s"
-          f"{h['tokens_per_s']:>10.1f}{h['cached_token_share']:>14.3f}")
-    print(f"HTTP / direct: TTFT p50 x{report['ttft_overhead']:.3f}, "
-          f"TTFT p95 x{h['ttft_p95'] / d['ttft_p95']:.3f}, "
-          f"tokens/s x{h['tokens_per_s'] / d['tokens_per_s']:.3f}")
+    print(
+        f"{'direct':<8}{d['ttft_p50']:>10.3f}s{d['ttft_p95']:>10.3f}s"
+        f"{d['tokens_per_s']:>10.1f}{'-':>14}"
+    )
+    print(
+        f"{'http':<8}{h['ttft_p50']:>10.3f}s{h['ttft_p95']:>10.3f}s"
+        f"{h['tokens_per_s']:>10.1f}{h['cached_token_share']:>14.3f}"
+    )
+    print(
+        f"HTTP / direct: TTFT p50 x{report['ttft_overhead']:.3f}, "
+        f"TTFT p95 x{h['ttft_p95'] / d['ttft_p95']:.3f}, "
+        f"tokens/s x{h['tokens_per_s'] / d['tokens_per_s']:.3f}"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
 

@@ -90,8 +90,18 @@ def test_serve_smollm2_answers_the_openai_client_and_stops_at_end_of_turn() -> N
         + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
     )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "prefixflight.cli", "serve", "--port", "0",
-         "--num-pages", "128", "--threads", "2"],
+        [
+            sys.executable,
+            "-m",
+            "prefixflight.cli",
+            "serve",
+            "--port",
+            "0",
+            "--num-pages",
+            "128",
+            "--threads",
+            "2",
+        ],
         stderr=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         text=True,

@@ -108,9 +108,7 @@ def test_models_health_and_tokenize(server: Any, codec: Any) -> None:
 def test_completion_is_the_models_greedy_answer(server: Any, tiny: Any, codec: Any) -> None:
     prompt = unique_text(22)
     expected = greedy(tiny, codec.encode(prompt), 8)
-    out = client(server).completions.create(
-        model=MODEL, prompt=prompt, max_tokens=8, temperature=0
-    )
+    out = client(server).completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
     assert out.object == "text_completion" and out.model == MODEL
     (choice,) = out.choices
     assert choice.text == codec.decode(expected)
@@ -163,9 +161,7 @@ def test_chat_with_the_openai_client_stream_and_not(server: Any, tiny: Any, code
     messages = [{"role": "user", "content": unique_text(12)}]
     expected = codec.decode(greedy(tiny, codec.chat(messages), 9))
     oa = client(server)
-    out = oa.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=9, temperature=0
-    )
+    out = oa.chat.completions.create(model=MODEL, messages=messages, max_tokens=9, temperature=0)
     assert out.object == "chat.completion"
     assert out.choices[0].message.role == "assistant"
     assert expected.startswith(out.choices[0].message.content or "")
@@ -250,24 +246,41 @@ def test_n_choices_share_one_prefill(server: Any) -> None:
 def test_stop_strings_end_the_answer_before_them(server: Any) -> None:
     prompt = unique_text(15)
     oa = client(server)
-    full = oa.completions.create(
-        model=MODEL, prompt=prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
-    ).choices[0].text
+    full = (
+        oa.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=12,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        .choices[0]
+        .text
+    )
     stop = full[5:7]
     cut = full[: full.index(stop)]
     for stream in (False, True):
         if stream:
             chunks = list(
                 oa.completions.create(
-                    model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=[stop, "\x00"],
-                    stream=True, extra_body={"ignore_eos": True},
+                    model=MODEL,
+                    prompt=prompt,
+                    max_tokens=12,
+                    temperature=0,
+                    stop=[stop, "\x00"],
+                    stream=True,
+                    extra_body={"ignore_eos": True},
                 )
             )
             text = "".join(c.choices[0].text for c in chunks)
             reason = chunks[-1].choices[0].finish_reason
         else:
             got = oa.completions.create(
-                model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=stop,
+                model=MODEL,
+                prompt=prompt,
+                max_tokens=12,
+                temperature=0,
+                stop=stop,
                 extra_body={"ignore_eos": True},
             ).choices[0]
             text, reason = got.text, got.finish_reason
@@ -282,8 +295,14 @@ def aborted(server: Any) -> float:
 
 def test_a_disconnected_stream_aborts_and_frees_its_pages(server: Any, step_gate: Any) -> None:
     before = aborted(server)
-    body = {"model": MODEL, "prompt": unique_text(20), "max_tokens": 300, "temperature": 0,
-            "stream": True, "ignore_eos": True}
+    body = {
+        "model": MODEL,
+        "prompt": unique_text(20),
+        "max_tokens": 300,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     step_gate.hold_after(3)  # the request runs until the test lets it go on
     with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=WAIT) as r:
         assert r.status_code == 200
@@ -303,8 +322,13 @@ def test_a_disconnected_stream_aborts_and_frees_its_pages(server: Any, step_gate
 
 def test_a_disconnected_plain_request_aborts(server: Any, step_gate: Any) -> None:
     before = aborted(server)
-    body = {"model": MODEL, "prompt": unique_text(20), "max_tokens": 300, "temperature": 0,
-            "ignore_eos": True}
+    body = {
+        "model": MODEL,
+        "prompt": unique_text(20),
+        "max_tokens": 300,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     step_gate.hold_after(3)
     with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
         httpx.post(
@@ -345,8 +369,12 @@ def test_bad_requests_get_openai_errors(
     server: Any, path: str, body: Any, status: int, needle: str
 ) -> None:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    r = httpx.post(server.base_url + path, content=content,
-                   headers={"content-type": "application/json"}, timeout=WAIT)
+    r = httpx.post(
+        server.base_url + path,
+        content=content,
+        headers={"content-type": "application/json"},
+        timeout=WAIT,
+    )
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert needle in error["message"]
@@ -365,8 +393,14 @@ def test_openai_client_raises_typed_errors(server: Any) -> None:
 
 def test_overload_gets_429_and_a_closed_engine_503(start_server: Any, step_gate: Any) -> None:
     small = start_server(max_running=1, max_waiting=1)
-    body = {"model": MODEL, "prompt": unique_text(8), "max_tokens": 300, "temperature": 0,
-            "stream": True, "ignore_eos": True}
+    body = {
+        "model": MODEL,
+        "prompt": unique_text(8),
+        "max_tokens": 300,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     url = small.base_url + "/v1/completions"
     step_gate.hold_after(3)  # the first request stays in progress
     with httpx.stream("POST", url, json=body, timeout=WAIT) as first:
@@ -410,10 +444,15 @@ def test_metrics_use_vllm_names_labelled_by_model(server: Any) -> None:
         "prefixflight:tokens_not_recomputed_total",
     ):
         value(scraped, name)  # present, labelled by model_name
-    for name in ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
-                 "vllm:e2e_request_latency_seconds"):
+    for name in (
+        "vllm:time_to_first_token_seconds",
+        "vllm:inter_token_latency_seconds",
+        "vllm:e2e_request_latency_seconds",
+    ):
         assert value(scraped, name + "_count") >= 1
     assert value(scraped, "prefixflight:evicted_blocks_total", policy="lru") >= 0
-    pages = {s: value(scraped, "prefixflight:kv_pages", state=s) for s in
-             ("free", "cached", "pinned", "private")}
+    pages = {
+        s: value(scraped, "prefixflight:kv_pages", state=s)
+        for s in ("free", "cached", "pinned", "private")
+    }
     assert pages["free"] + pages["cached"] + pages["private"] == 1024

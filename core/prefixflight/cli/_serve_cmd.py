@@ -62,14 +62,27 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         ),
     )
     p.add_argument("--model", choices=MODELS, default="smollm2", help="default smollm2")
-    p.add_argument("--served-model-name", metavar="NAME", help="the name clients use "
-                   "(default: the model's name, SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        help="the name clients use (default: the model's name, SmolLM2-135M-Instruct)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1 (loopback only)")
     p.add_argument("--port", type=_port, default=8000, help="default 8000; 0 picks a free port")
-    p.add_argument("--num-pages", type=_int_at_least(1), default=512, metavar="N",
-                   help="KV pool pages (default 512)")
-    p.add_argument("--block-size", type=_int_at_least(1), default=16, metavar="B",
-                   help="tokens per page and cached block (default 16)")
+    p.add_argument(
+        "--num-pages",
+        type=_int_at_least(1),
+        default=512,
+        metavar="N",
+        help="KV pool pages (default 512)",
+    )
+    p.add_argument(
+        "--block-size",
+        type=_int_at_least(1),
+        default=16,
+        metavar="B",
+        help="tokens per page and cached block (default 16)",
+    )
     p.add_argument(
         "--release-policy",
         type=_policy,
@@ -77,24 +90,56 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         metavar="POLICY",
         help="single flight: after_prefill (default), on_completion or independent (off)",
     )
-    p.add_argument("--min-shared-blocks", type=_int_at_least(1), default=None, metavar="K",
-                   help="also share a flight's prefix with requests that share K leading "
-                   "blocks (default: identical prompts only)")
-    p.add_argument("--max-running", type=_int_at_least(1), default=16, metavar="N",
-                   help="requests decoding at once (default 16)")
-    p.add_argument("--max-waiting", type=_int_at_least(0), default=64, metavar="N",
-                   help="requests that may queue beyond --max-running before 429 (default 64)")
-    p.add_argument("--max-batch-tokens", type=_int_at_least(1), default=1024, metavar="N",
-                   help="tokens per engine step (default 1024)")
+    p.add_argument(
+        "--min-shared-blocks",
+        type=_int_at_least(1),
+        default=None,
+        metavar="K",
+        help="also share a flight's prefix with requests that share K leading "
+        "blocks (default: identical prompts only)",
+    )
+    p.add_argument(
+        "--max-running",
+        type=_int_at_least(1),
+        default=16,
+        metavar="N",
+        help="requests decoding at once (default 16)",
+    )
+    p.add_argument(
+        "--max-waiting",
+        type=_int_at_least(0),
+        default=64,
+        metavar="N",
+        help="requests that may queue beyond --max-running before 429 (default 64)",
+    )
+    p.add_argument(
+        "--max-batch-tokens",
+        type=_int_at_least(1),
+        default=1024,
+        metavar="N",
+        help="tokens per engine step (default 1024)",
+    )
     p.add_argument("--eviction", choices=("lru", "s3fifo"), default="lru", help="default lru")
-    p.add_argument("--kv-events", metavar="ENDPOINT",
-                   help="publish KV cache events on this ZMQ endpoint (e.g. tcp://*:5557)")
+    p.add_argument(
+        "--kv-events",
+        metavar="ENDPOINT",
+        help="publish KV cache events on this ZMQ endpoint (e.g. tcp://*:5557)",
+    )
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     p.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (CUDA)")
-    p.add_argument("--threads", type=_int_at_least(1), default=None, metavar="N",
-                   help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"),
-                   default="warning", help="uvicorn's log level (default warning)")
+    p.add_argument(
+        "--threads",
+        type=_int_at_least(1),
+        default=None,
+        metavar="N",
+        help="torch CPU threads (default: torch's choice)",
+    )
+    p.add_argument(
+        "--log-level",
+        choices=("critical", "error", "warning", "info", "debug"),
+        default="warning",
+        help="uvicorn's log level (default warning)",
+    )
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     p.set_defaults(func=run, parser=p)
 

@@ -30,6 +30,7 @@ __all__ = ["ServeMetrics"]
 
 LABELS = ("model_name", "engine")
 # vLLM's histogram buckets for these metrics
+# fmt: off
 TTFT_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
     10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
@@ -42,6 +43,7 @@ E2E_BUCKETS = (
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
     240.0, 480.0, 960.0, 1920.0, 7680.0,
 )
+# fmt: on
 _FINISHED = {
     FinishReason.STOP: "stop",
     FinishReason.LENGTH: "length",
@@ -189,8 +191,9 @@ class _EngineCollector(Collector):
             c.add_metric([*values, *extra.values()], value)
             return c
 
-        yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
-                    running)
+        yield gauge(
+            "vllm:num_requests_running", "Number of requests in model execution batches.", running
+        )
         yield gauge(
             "vllm:num_requests_waiting",
             "Number of requests waiting to be processed (queued for pages, or waiting in a "
@@ -219,8 +222,9 @@ class _EngineCollector(Collector):
             pages.add_metric([*values, state], n)
         yield pages
         flight = sched.coordinator.stats
-        yield counter("prefixflight:flights_opened", "Single-flight groups opened.",
-                      flight.flights_opened)
+        yield counter(
+            "prefixflight:flights_opened", "Single-flight groups opened.", flight.flights_opened
+        )
         yield counter(
             "prefixflight:flight_followers",
             "Requests that joined an open flight as followers (exact or partial prefix).",
@@ -233,8 +237,12 @@ class _EngineCollector(Collector):
         )
         stats = sched.stats
         policy = self._engine.config.eviction
-        yield counter("prefixflight:evicted_blocks", "Cached blocks evicted, by eviction policy.",
-                      stats.evicted_blocks, policy=policy)
+        yield counter(
+            "prefixflight:evicted_blocks",
+            "Cached blocks evicted, by eviction policy.",
+            stats.evicted_blocks,
+            policy=policy,
+        )
         yield counter(
             "prefixflight:orphans_evicted",
             "Cached blocks removed because an ancestor was evicted, by eviction policy.",

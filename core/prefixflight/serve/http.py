@@ -163,7 +163,8 @@ class _Server:
         name = self.config.model_name
         if body.model is not None and body.model != name:
             raise _ApiError(
-                404, f"The model {body.model!r} does not exist (this server serves {name!r}).",
+                404,
+                f"The model {body.model!r} does not exist (this server serves {name!r}).",
                 param="model",
             )
 
@@ -397,8 +398,7 @@ def _message_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
                 if part.type != "text" or part.text is None:
                     raise _ApiError(
                         400,
-                        f"messages[{i}]: only text content parts are supported, got "
-                        f"{part.type!r}",
+                        f"messages[{i}]: only text content parts are supported, got {part.type!r}",
                         param="messages",
                     )
                 parts.append(part.text)
@@ -504,8 +504,12 @@ def build_app(engine: AsyncEngine, codec: Codec, config: ServerConfig) -> FastAP
             raise _ApiError(400, "prompt must not be empty", param="prompt")
         choices = server.submit(prompts, body, config.completion_max_tokens)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        head = {"id": rid, "object": "text_completion", "created": int(time.time()),
-                "model": config.model_name}
+        head = {
+            "id": rid,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": config.model_name,
+        }
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         if body.stream:
 
@@ -513,8 +517,12 @@ def build_app(engine: AsyncEngine, codec: Codec, config: ServerConfig) -> FastAP
                 events = server.events(choices, arrived)
                 try:
                     async for index, text, reason in events:
-                        choice = {"index": index, "text": text, "logprobs": None,
-                                  "finish_reason": reason}
+                        choice = {
+                            "index": index,
+                            "text": text,
+                            "logprobs": None,
+                            "finish_reason": reason,
+                        }
                         chunk = {**head, "choices": [choice]}
                         if include_usage:
                             chunk["usage"] = None
@@ -534,8 +542,12 @@ def build_app(engine: AsyncEngine, codec: Codec, config: ServerConfig) -> FastAP
             {
                 **head,
                 "choices": [
-                    {"index": c.index, "text": texts[c.index], "logprobs": None,
-                     "finish_reason": c.finish_reason}
+                    {
+                        "index": c.index,
+                        "text": texts[c.index],
+                        "logprobs": None,
+                        "finish_reason": c.finish_reason,
+                    }
                     for c in choices
                 ],
                 "usage": server.usage(prompts, choices),
@@ -552,15 +564,23 @@ def build_app(engine: AsyncEngine, codec: Codec, config: ServerConfig) -> FastAP
             raise _ApiError(400, str(exc), param="messages") from None
         choices = server.submit([prompt], body, config.chat_max_tokens)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        head = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
-                "model": config.model_name}
+        head = {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": config.model_name,
+        }
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         if body.stream:
 
             async def sse() -> AsyncIterator[bytes]:
                 def chunk(index: int, delta: dict[str, str], reason: str | None) -> bytes:
-                    choice = {"index": index, "delta": delta, "logprobs": None,
-                              "finish_reason": reason}
+                    choice = {
+                        "index": index,
+                        "delta": delta,
+                        "logprobs": None,
+                        "finish_reason": reason,
+                    }
                     out: dict[str, Any] = {**head, "choices": [choice]}
                     if include_usage:
                         out["usage"] = None

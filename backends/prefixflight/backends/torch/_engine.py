@@ -341,8 +341,7 @@ class AsyncEngine:
         for t in eos:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < runner.vocab_size:
                 raise ConfigError(
-                    f"eos token id {t!r} is not in the model's vocabulary [0, "
-                    f"{runner.vocab_size})"
+                    f"eos token id {t!r} is not in the model's vocabulary [0, {runner.vocab_size})"
                 )
         self.runner = runner
         self.config = config
