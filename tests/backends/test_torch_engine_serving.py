@@ -201,3 +201,24 @@ def test_event_sink_receives_the_cache_events(tiny_model: Any) -> None:
     run(main)
     stored = [e for e in events if isinstance(e, BlockStored)]
     assert sum(len(e.block_hashes) for e in stored) == len(prompt) // PAGE
+
+
+def test_min_shared_blocks_lets_a_shared_prefix_follow_an_open_flight(tiny_model: Any) -> None:
+    shared = prompt_of(7, 3 * PAGE)
+    first, second = [*shared, *prompt_of(8, 5)], [*shared, *prompt_of(9, 6)]
+    ref = greedy_reference(tiny_model, second, 3)
+
+    async def main() -> None:
+        engine = AsyncEngine.from_model(tiny_model, config(min_shared_blocks=2))
+        async with engine:
+            one = SamplingParams(max_tokens=3)
+            a, b = engine.generate(first, one), engine.generate(second, one)
+            ra, rb = await a.result(), await b.result()
+            assert (ra.role, rb.role) == (Role.LEADER, Role.FOLLOWER)
+            assert rb.cached_tokens == len(shared)  # the three shared blocks, reused
+            assert list(rb.output_token_ids) == ref
+            assert engine.scheduler.coordinator.stats.partial_followers == 1
+
+    run(main)
+    with pytest.raises(ConfigError, match="min_shared_blocks must be >= 1, got 0"):
+        config(min_shared_blocks=0)
