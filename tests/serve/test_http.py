@@ -456,3 +456,15 @@ def test_metrics_use_vllm_names_labelled_by_model(server: Any) -> None:
         for s in ("free", "cached", "pinned", "private")
     }
     assert pages["free"] + pages["cached"] + pages["private"] == 1024
+
+
+def test_server_config_errors_name_the_value() -> None:
+    from prefixflight.core import ConfigError
+    from prefixflight.serve.http import ServerConfig
+
+    with pytest.raises(ConfigError, match="max_waiting must be an int >= 0, got -1"):
+        ServerConfig(model_name="m", max_waiting=-1)
+    with pytest.raises(ConfigError, match="chat_max_tokens must be an int >= 1, got True"):
+        ServerConfig(model_name="m", chat_max_tokens=True)
+    with pytest.raises(ConfigError, match="model_name must be a non-empty str, got ''"):
+        ServerConfig(model_name="")

@@ -33,7 +33,6 @@ from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
 from prefixflight.core import ConfigError, FinishReason, PrefixflightError, UsageError
-from prefixflight.core._validate import check_int
 
 from ._metrics import ServeMetrics
 from ._protocol import (
@@ -60,16 +59,10 @@ def _check_name(_i: object, _a: object, value: str) -> None:
         raise ConfigError(f"model_name must be a non-empty str, got {value!r}")
 
 
-def _non_negative(name: str) -> Callable[[object, object, object], None]:
-    def check(_i: object, _a: object, value: object) -> None:
-        check_int(name, value, minimum=0)
-
-    return check
-
-
-def _positive(name: str) -> Callable[[object, object, object], None]:
-    def check(_i: object, _a: object, value: object) -> None:
-        check_int(name, value, minimum=1)
+def _at_least(name: str, minimum: int) -> Callable[[object, object, int], None]:
+    def check(_i: object, _a: object, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ConfigError(f"{name} must be an int >= {minimum}, got {value!r}")
 
     return check
 
@@ -87,10 +80,10 @@ class ServerConfig:
     """
 
     model_name: str = attrs.field(validator=_check_name)
-    max_waiting: int = attrs.field(default=64, validator=_non_negative("max_waiting"))
-    chat_max_tokens: int = attrs.field(default=256, validator=_positive("chat_max_tokens"))
+    max_waiting: int = attrs.field(default=64, validator=_at_least("max_waiting", 0))
+    chat_max_tokens: int = attrs.field(default=256, validator=_at_least("chat_max_tokens", 1))
     completion_max_tokens: int = attrs.field(
-        default=16, validator=_positive("completion_max_tokens")
+        default=16, validator=_at_least("completion_max_tokens", 1)
     )
 
 
