@@ -15,6 +15,7 @@ PACKAGES = [
     "prefixflight.specs",
     "prefixflight.cli",
     "prefixflight.backends",
+    "prefixflight.serve",
 ]
 TORCH_PACKAGES = ["prefixflight.backends.torch"]  # need the torch extra
 

@@ -178,3 +178,30 @@ def test_the_public_surface_is_what_all_says() -> None:
     assert exported == sorted(exported, key=lambda s: (not s.isupper(), s))
     for name in exported:
         assert hasattr(mod, name), name
+
+
+def test_a_scheduler_publishing_deepest_first_goes_out_parents_first() -> None:
+    """The scheduler publishes a request's blocks deepest first (so a parent is evicted after
+    its children); on the wire every parent still comes before its children, merged into one
+    ``BlockStored`` per chain as vLLM sends, and a token-rebuilding index follows it."""
+    from prefixflight.core import Scheduler, SchedulerConfig, StepResult
+
+    events: list[KVEvent] = []
+    config = SchedulerConfig(num_pages=16, block_size=BS, max_batch_tokens=64, max_running=4)
+    sched = Scheduler(config, cache=PrefixCache(LRU(16), BS, event_sink=events.append))
+    prompt = list(range(1, 14))  # 3 full blocks and a partial one
+    sched.add_request("r", prompt, max_new_tokens=1, now=0.0)
+    plan = sched.schedule(0.0)
+    sched.complete_step(StepResult(step=plan.step, sampled=(("r", 7),)), 0.0)
+    assert len(events) == 3, events  # one BlockStored per block, deepest first
+    wire = wire_events(events)
+    stored = [e for e in wire if isinstance(e, WireBlockStored)]
+    assert len(stored) == 1, stored
+    hashes = BlockHasher(block_size=BS).hash_tokens(prompt)
+    assert list(stored[0].block_hashes) == [fold_hash(h) for h in hashes]
+    assert stored[0].parent_block_hash is None
+    assert list(stored[0].token_ids) == prompt[: 3 * BS]
+    idx = ReplicaBlockIndex("r0", hasher=BlockHasher(block_size=BS, namespace="other"))
+    idx.apply_batch(WireBatch(ts=0.0, events=wire))
+    assert idx.stats.unresolved == 0
+    assert len(idx.keys()) == 3

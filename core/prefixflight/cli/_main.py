@@ -17,7 +17,7 @@ from typing import cast
 
 from prefixflight.core import PrefixflightError
 
-from . import _bench_cmd, _demo_cmd, _replay_cmd, _simulate_cmd, _sweep_cmd
+from . import _bench_cmd, _demo_cmd, _replay_cmd, _serve_cmd, _simulate_cmd, _sweep_cmd
 from ._args import Parser, VersionAction
 from ._io import OutputError, write_stdout
 
@@ -31,6 +31,7 @@ COMMANDS: tuple[Register, ...] = (
     _sweep_cmd.register,
     _bench_cmd.register,
     _demo_cmd.register,
+    _serve_cmd.register,
 )
 
 

@@ -137,62 +137,64 @@ def wire_events(
     lora_name: str | None = None,
     hash_encoding: HashEncoding = "int",
 ) -> list[WireEvent]:
-    """The core's events as vLLM's, in order; consecutive stores that chain (each one's
-    parent is the previous one's last block) merge into one ``BlockStored``, as vLLM sends
-    one per request and step. Parents always come before their children."""
+    """The core's events as vLLM's, in order; consecutive stores that chain merge into one
+    ``BlockStored``, as vLLM sends one per request and step. Parents always come before their
+    children: a store whose block is the parent of the run before it (an engine publishing a
+    request's blocks deepest first, as the scheduler does) is put in front of that run."""
     if hash_encoding not in ("int", "bytes"):
         raise UsageError(f"hash_encoding must be 'int' or 'bytes', got {hash_encoding!r}")
     fold = _folder(hash_encoding)
     out: list[WireEvent] = []
-    # the open run of chained stores: its first event, hashes, tokens and last core hash
-    first: BlockStored | None = None
-    hashes: list[WireHash] = []
-    tokens: list[int] = []
-    last: BlockHash | None = None
+    # the open run of chained stores: its core hashes and tokens in chain order (as deques of
+    # per-event pieces, so a parent can be put in front), the parent of its first block, the
+    # block size and whether it carries tokens
+    pieces: deque[tuple[tuple[BlockHash, ...], tuple[int, ...]]] = deque()
+    parent: BlockHash | None = None
+    block_size = 0
+    with_tokens = False
 
     def close_run() -> None:
-        if first is None:
+        if not pieces:
             return
-        parent = first.parent_block_hash
+        hashes = [fold(h) for bh, _ in pieces for h in bh]
+        tokens = [t for _, toks in pieces for t in toks]
         out.append(
             WireBlockStored(
                 block_hashes=hashes,
                 parent_block_hash=None if parent is None else fold(parent),
                 token_ids=tokens,
-                block_size=first.block_size,
+                block_size=block_size,
                 medium=medium,
                 lora_name=lora_name,
             )
         )
+        pieces.clear()
 
     for ev in events:
         match ev:
             case BlockStored():
                 bh = ev.block_hashes
-                if (
-                    first is None
-                    or last is None
-                    or ev.parent_block_hash != last
-                    or ev.block_size != first.block_size
-                    or (not ev.token_ids) != (not tokens)
-                ):
-                    close_run()
-                    first, hashes, tokens = ev, [], []
-                if len(bh) == 1:
-                    hashes.append(fold(bh[0]))
+                same = bool(pieces) and ev.block_size == block_size
+                same = same and bool(ev.token_ids) == with_tokens and bool(bh)
+                if same and ev.parent_block_hash == pieces[-1][0][-1]:
+                    pieces.append((bh, ev.token_ids))  # the run's child
+                elif same and parent is not None and bh[-1] == parent:
+                    pieces.appendleft((bh, ev.token_ids))  # the run's parent
+                    parent = ev.parent_block_hash
                 else:
-                    hashes.extend(map(fold, bh))
-                tokens += ev.token_ids
-                last = bh[-1] if bh else None
+                    close_run()
+                    if bh:
+                        pieces.append((bh, ev.token_ids))
+                    parent = ev.parent_block_hash
+                    block_size = ev.block_size
+                    with_tokens = bool(ev.token_ids)
             case BlockRemoved():
                 close_run()
-                first = last = None
                 out.append(
                     WireBlockRemoved(block_hashes=list(map(fold, ev.block_hashes)), medium=medium)
                 )
             case AllBlocksCleared():
                 close_run()
-                first = last = None
                 out.append(WireAllBlocksCleared())
             case _:
                 assert_never(ev)

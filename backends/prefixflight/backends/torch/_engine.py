@@ -17,7 +17,7 @@ import contextlib
 import enum
 import itertools
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, final
 
 import attrs
@@ -26,6 +26,7 @@ from prefixflight.core import (
     LRU,
     S3FIFO,
     ConfigError,
+    EventSink,
     FlightConfig,
     FlightCoordinator,
     PrefixCache,
@@ -37,6 +38,7 @@ from prefixflight.core import (
     Scheduler,
     SchedulerConfig,
     StepOutcome,
+    StepResult,
     UsageError,
 )
 from prefixflight.core._validate import check_int
@@ -68,6 +70,11 @@ def _check_max_wait(_i: object, _a: object, value: Any) -> None:
         raise ConfigError(f"max_wait must be None or a number of seconds >= 0, got {value!r}")
 
 
+def _check_min_shared(_i: object, _a: object, value: int | None) -> None:
+    if value is not None:
+        check_int("min_shared_blocks", value, minimum=1)
+
+
 def _positive(name: str) -> Callable[[object, object, object], None]:
     def check(_i: object, _a: object, value: object) -> None:
         check_int(name, value, minimum=1)
@@ -89,6 +96,9 @@ class EngineConfig:
       ``max_running``: running requests at most (the decode batch).
     - ``eviction``: the prefix cache's policy, ``"lru"`` or ``"s3fifo"``.
     - ``max_wait``: seconds a follower waits for its leader before computing on its own.
+    - ``min_shared_blocks``: also coordinate requests that share at least this many leading
+      blocks with an open flight (partial-prefix mode); ``None`` (default): identical
+      prompts only.
     """
 
     release_policy: ReleasePolicy = attrs.field(
@@ -101,6 +111,7 @@ class EngineConfig:
     max_running: int = attrs.field(default=16, validator=_positive("max_running"))
     eviction: str = attrs.field(default="lru", validator=_check_eviction)
     max_wait: float | None = attrs.field(default=None, validator=_check_max_wait)
+    min_shared_blocks: int | None = attrs.field(default=None, validator=_check_min_shared)
 
     def __attrs_post_init__(self) -> None:
         if self.max_batch_tokens < self.max_running:
@@ -109,8 +120,14 @@ class EngineConfig:
                 f"({self.max_running}) so every running request can decode each step"
             )
 
-    def scheduler(self, num_pages: int | None = None) -> Scheduler:
-        """A fresh scheduler (with its own cache and coordinator) for this configuration."""
+    def scheduler(
+        self, num_pages: int | None = None, *, event_sink: EventSink | None = None
+    ) -> Scheduler:
+        """A fresh scheduler (with its own cache and coordinator) for this configuration.
+
+        ``event_sink`` receives the cache's KV events (``BlockStored``, ``BlockRemoved``,
+        ``AllBlocksCleared``), e.g. a publisher that puts them on the wire for a router.
+        """
         pages = self.num_pages if num_pages is None else num_pages
         policy = LRU(pages) if self.eviction == "lru" else S3FIFO(pages)
         publish = (
@@ -124,13 +141,26 @@ class EngineConfig:
                 max_running=self.max_running,
                 publish=publish,
             ),
-            cache=PrefixCache(policy, self.page_size),
+            cache=PrefixCache(policy, self.page_size, event_sink=event_sink),
             coordinator=FlightCoordinator(
                 FlightConfig(
-                    policy=self.release_policy, max_wait=self.max_wait, block_size=self.page_size
+                    policy=self.release_policy,
+                    max_wait=self.max_wait,
+                    block_size=self.page_size,
+                    min_shared_blocks=self.min_shared_blocks,
                 )
             ),
         )
+
+
+def _eos_of(tokenizer: Any) -> frozenset[int]:
+    """The tokenizer's end-of-sequence id(s); for a chat model it is the end-of-turn token."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(eos, int) and not isinstance(eos, bool):
+        return frozenset((eos,))
+    if isinstance(eos, (list, tuple)):
+        return frozenset(t for t in eos if isinstance(t, int) and not isinstance(t, bool))
+    return frozenset()
 
 
 class _End(enum.Enum):
@@ -141,38 +171,85 @@ _END = _End.END
 
 
 @final
+class _Stream:
+    """The engine's side of one request: its tokens and its end, queued for the consumer.
+
+    The engine holds this, never the caller's `Generation`, so that dropping the Generation
+    (``break`` out of ``async for``, garbage collection) can abort the request.
+    """
+
+    __slots__ = ("queue", "report", "request_id", "tokens")
+
+    def __init__(self, request_id: RequestId) -> None:
+        self.request_id = request_id
+        self.queue: asyncio.Queue[int | _End | BaseException] = asyncio.Queue()
+        self.tokens: list[int] = []
+        self.report: RequestReport | None = None
+
+    def push(self, token: int) -> None:
+        self.tokens.append(token)
+        self.queue.put_nowait(token)
+
+    def finish(self, report: RequestReport) -> None:
+        self.report = report
+        self.queue.put_nowait(_END)
+
+    def fail(self, exc: BaseException) -> None:
+        self.queue.put_nowait(exc)
+
+
+@final
 class Generation:
     """One request's token stream: ``async for token in generation``.
 
-    Finishing the iteration (``max_tokens`` or a stop token) sets `report`. Cancelling the
-    task that iterates aborts the request: its pages are released and, if it led a flight,
-    a follower takes over. `cancel` does the same without a task; ``async with`` cancels an
-    unfinished request on exit.
+    It closes like an async generator, and closing an unfinished stream aborts the request
+    (its pages are released and, if it led a flight, a follower takes over):
+
+    - ``await generation.aclose()`` (so ``contextlib.aclosing(engine.generate(...))`` works),
+      after which iteration stops;
+    - ``break`` out of ``async for token in engine.generate(...)``: the loop held the only
+      reference, so the stream is garbage and is finalised, as an async generator would be;
+    - garbage collection of an unfinished stream;
+    - cancelling the task that iterates, `cancel`, or leaving ``async with generation``.
+
+    Finalisation never runs engine code where the collector happens to run: it schedules
+    the abort on the engine's event loop (thread-safe), like asyncio's own async-generator
+    finaliser. A stream you still hold is not closed by ``break``, just as a held async
+    generator is not; use ``aclose``/``aclosing`` for a deterministic close. Finishing the
+    iteration (``max_tokens`` or a stop token) sets `report`.
     """
 
-    __slots__ = ("_engine", "_queue", "report", "request_id", "tokens")
+    __slots__ = ("_closed", "_engine", "_stream", "request_id")
 
-    def __init__(self, engine: AsyncEngine, request_id: RequestId) -> None:
+    def __init__(self, engine: AsyncEngine, stream: _Stream) -> None:
         self._engine = engine
-        self._queue: asyncio.Queue[int | _End | BaseException] = asyncio.Queue()
-        self.request_id = request_id
-        self.tokens: list[int] = []
+        self._stream = stream
+        self._closed = False
+        self.request_id = stream.request_id
+
+    @property
+    def tokens(self) -> list[int]:
         """Tokens delivered so far."""
-        self.report: RequestReport | None = None
+        return self._stream.tokens
+
+    @property
+    def report(self) -> RequestReport | None:
         """The scheduler's report (role, cached tokens, TTFT, latency) once finished."""
+        return self._stream.report
 
     @property
     def done(self) -> bool:
-        return self.report is not None
+        return self._stream.report is not None
 
     def __aiter__(self) -> Generation:
         return self
 
     async def __anext__(self) -> int:
-        if self.report is not None and self._queue.empty():
+        stream = self._stream
+        if self._closed or (stream.report is not None and stream.queue.empty()):
             raise StopAsyncIteration
         try:
-            item = await self._queue.get()
+            item = await stream.queue.get()
         except asyncio.CancelledError:
             self.cancel()
             raise
@@ -186,13 +263,19 @@ class Generation:
         """Consume the rest of the stream and return the report."""
         async for _ in self:
             pass
-        assert self.report is not None
-        return self.report
+        report = self._stream.report
+        assert report is not None
+        return report
 
     def cancel(self) -> None:
         """Abort the request unless it already finished (idempotent)."""
-        if self.report is None:
-            self._engine._abort(self)
+        if self._stream.report is None:
+            self._engine._abort(self._stream)
+
+    async def aclose(self) -> None:
+        """Abort the request unless it finished, and end the iteration (idempotent)."""
+        self.cancel()
+        self._closed = True
 
     async def __aenter__(self) -> Generation:
         return self
@@ -200,17 +283,10 @@ class Generation:
     async def __aexit__(self, *exc: object) -> None:
         self.cancel()
 
-    # called by the engine, on the event loop
-    def _push(self, token: int) -> None:
-        self.tokens.append(token)
-        self._queue.put_nowait(token)
-
-    def _finish(self, report: RequestReport) -> None:
-        self.report = report
-        self._queue.put_nowait(_END)
-
-    def _fail(self, exc: BaseException) -> None:
-        self._queue.put_nowait(exc)
+    def __del__(self) -> None:
+        stream = getattr(self, "_stream", None)  # None if __init__ never ran
+        if stream is not None and stream.report is None:
+            self._engine._abort_soon(stream)
 
 
 @final
@@ -227,10 +303,13 @@ class AsyncEngine:
     __slots__ = (
         "_clock",
         "_closed",
+        "_eos",
         "_error",
         "_executor",
+        "_flush_events",
         "_ids",
         "_live",
+        "_loop",
         "_scheduler",
         "_task",
         "_wake",
@@ -245,6 +324,8 @@ class AsyncEngine:
         config: EngineConfig | None = None,
         *,
         tokenizer: Any = None,
+        eos_token_ids: Iterable[int] | None = None,
+        event_sink: EventSink | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         config = EngineConfig() if config is None else config
@@ -258,18 +339,29 @@ class AsyncEngine:
             raise ConfigError(
                 f"config num_pages {config.num_pages} > the runner's pool ({pool.num_pages})"
             )
+        eos = _eos_of(tokenizer) if eos_token_ids is None else frozenset(eos_token_ids)
+        for t in eos:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < runner.vocab_size:
+                raise ConfigError(
+                    f"eos token id {t!r} is not in the model's vocabulary [0, {runner.vocab_size})"
+                )
         self.runner = runner
         self.config = config
         self.tokenizer = tokenizer
+        self._eos = eos
         self._clock = clock
-        self._scheduler = config.scheduler()
-        self._live: dict[RequestId, Generation] = {}
+        self._scheduler = config.scheduler(event_sink=event_sink)
+        # a sink that batches (a KV-event publisher) is flushed after every step: one event
+        # batch per engine step, as vLLM publishes
+        self._flush_events: Callable[[], object] | None = getattr(event_sink, "flush", None)
+        self._live: dict[RequestId, _Stream] = {}
         self._ids: Iterator[int] = itertools.count()
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._task: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
         self._error: BaseException | None = None
         self._closed = False
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     @classmethod
     def from_model(
@@ -278,6 +370,8 @@ class AsyncEngine:
         config: EngineConfig | None = None,
         *,
         tokenizer: Any = None,
+        eos_token_ids: Iterable[int] | None = None,
+        event_sink: EventSink | None = None,
         device: str | None = None,
         dtype: str | None = None,
     ) -> AsyncEngine:
@@ -290,7 +384,9 @@ class AsyncEngine:
             device=device,
             dtype=dtype,
         )
-        return cls(runner, config, tokenizer=tokenizer)
+        return cls(
+            runner, config, tokenizer=tokenizer, eos_token_ids=eos_token_ids, event_sink=event_sink
+        )
 
     # -- views -----------------------------------------------------------------------------
     @property
@@ -314,13 +410,14 @@ class AsyncEngine:
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="prefixflight-step"
         )
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="prefixflight-engine")
+        self._loop = asyncio.get_running_loop()
+        self._task = self._loop.create_task(self._run(), name="prefixflight-engine")
 
     async def close(self) -> None:
         """Abort every unfinished request, wait for the step in progress, stop the loop."""
         self._closed = True
-        for gen in list(self._live.values()):
-            self._abort(gen, closing=True)
+        for stream in list(self._live.values()):
+            self._abort(stream, closing=True)
         task = self._task
         if task is not None and not task.done():
             task.cancel()
@@ -340,7 +437,7 @@ class AsyncEngine:
     # -- requests --------------------------------------------------------------------------
     def generate(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | Iterable[int],
         sampling: SamplingParams | None = None,
         *,
         request_id: RequestId | None = None,
@@ -348,51 +445,147 @@ class AsyncEngine:
     ) -> Generation:
         """Submit a request now; iterate the result for its tokens.
 
+        ``namespace`` separates tenants (a cache salt, a user): requests in different
+        namespaces never share cached blocks or a flight. Generation stops at
+        `eos_token_ids` unless ``sampling.ignore_eos``.
+
         Raises `UsageError` at once for a bad prompt, a duplicate ``request_id`` or a request
         that can never fit in the pool (the engine is unchanged).
         """
         self.start()
+        sampling = self._check_sampling(sampling)
+        ids = self._prompt_ids(prompt)
+        rid = self._new_id() if request_id is None else request_id
+        return self._submit(rid, ids, sampling, namespace)
+
+    def generate_n(
+        self,
+        prompt: str | Iterable[int],
+        sampling: SamplingParams | None = None,
+        n: int = 1,
+        *,
+        request_ids: Sequence[RequestId] | None = None,
+        namespace: str | bytes = b"",
+    ) -> tuple[Generation, ...]:
+        """``n`` answers to one prompt (OpenAI's ``n``): one prefill, ``n`` decodes.
+
+        The ``n`` requests arrive together with the same prompt and namespace, so the flight
+        coordinator elects one leader and the others follow it (with ``release_policy``
+        ``INDEPENDENT`` each computes its own prefill). Each samples on its own: with a
+        ``seed``, answer ``i`` uses ``seed + i`` (as vLLM's parallel sampling does), so the
+        answers differ and are reproducible. All ``n`` are submitted or none.
+        """
+        self.start()
+        check_int("n", n, minimum=1)
+        sampling = self._check_sampling(sampling)
+        ids = self._prompt_ids(prompt)
+        if request_ids is None:
+            rids: list[RequestId] = []
+            for _ in range(n):
+                rid = self._new_id()
+                while rid in rids:  # pragma: no cover - the counter never repeats
+                    rid = self._new_id()
+                rids.append(rid)
+        else:
+            rids = list(request_ids)
+            if len(rids) != n or len(set(rids)) != n:
+                raise UsageError(f"request_ids must be {n} distinct ids, got {request_ids!r}")
+        gens: list[Generation] = []
+        try:
+            for i, rid in enumerate(rids):
+                seeded = (
+                    sampling
+                    if sampling.seed is None
+                    else attrs.evolve(sampling, seed=sampling.seed + i)
+                )
+                gens.append(self._submit(rid, ids, seeded, namespace))
+        except PrefixflightError:
+            for gen in gens:  # all or nothing
+                gen.cancel()
+            raise
+        return tuple(gens)
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Token ids that end every request (unless ``ignore_eos``): the ones given to the
+        engine, else the tokenizer's ``eos_token_id`` (``<|im_end|>`` for SmolLM2)."""
+        return self._eos
+
+    def _check_sampling(self, sampling: SamplingParams | None) -> SamplingParams:
         sampling = SamplingParams() if sampling is None else sampling
         if not isinstance(sampling, SamplingParams):
             raise UsageError(f"sampling must be SamplingParams, got {sampling!r}")
+        return sampling
+
+    def _prompt_ids(self, prompt: str | Iterable[int]) -> tuple[int, ...]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise UsageError("a text prompt needs an engine made with a tokenizer")
-            ids: Sequence[int] = self.tokenizer(prompt)["input_ids"]
+            ids: tuple[int, ...] = tuple(self.tokenizer(prompt)["input_ids"])
         else:
-            ids = prompt
+            try:  # once: a one-shot iterator is read here and nowhere else
+                ids = tuple(prompt)
+            except TypeError:
+                raise UsageError(
+                    f"prompt must be text or an iterable of token ids, got {prompt!r}"
+                ) from None
         vocab = self.runner.vocab_size
         bad = [t for t in ids if isinstance(t, int) and not 0 <= t < vocab]
         if bad:  # checked here: inside a step it would fail every live request
             raise UsageError(f"token id {bad[0]!r} is not in [0, {vocab})")
-        rid = next(self._ids) if request_id is None else request_id
-        while request_id is None and rid in self._live:  # pragma: no cover - user took it
+        return ids
+
+    def _new_id(self) -> RequestId:
+        rid = next(self._ids)
+        while rid in self._live:  # pragma: no cover - the caller took it
             rid = next(self._ids)
+        return rid
+
+    def _submit(
+        self,
+        rid: RequestId,
+        ids: tuple[int, ...],
+        sampling: SamplingParams,
+        namespace: str | bytes,
+    ) -> Generation:
+        stop = sampling.stop_token_ids
+        if not sampling.ignore_eos and self._eos:
+            stop = (*stop, *sorted(self._eos))
         self._scheduler.add_request(
             rid,
             ids,
             max_new_tokens=sampling.max_tokens,
             now=self._clock(),
             namespace=namespace,
-            stop_token_ids=sampling.stop_token_ids,
+            stop_token_ids=stop,
         )
-        gen = Generation(self, rid)
-        self._live[rid] = gen
+        stream = _Stream(rid)
+        self._live[rid] = stream
         self.runner.set_sampling(rid, sampling)
         self._poke()
-        return gen
+        return Generation(self, stream)
 
-    def _abort(self, gen: Generation, *, closing: bool = False) -> None:
-        if self._live.pop(gen.request_id, None) is None:
-            return
-        report = self._scheduler.abort(gen.request_id, now=self._clock())
-        self.runner.discard(gen.request_id)
+    def _abort(self, stream: _Stream, *, closing: bool = False) -> None:
+        rid = stream.request_id
+        if self._live.get(rid) is not stream:
+            return  # already ended (or the id was reused since)
+        del self._live[rid]
+        report = self._scheduler.abort(rid, now=self._clock())
+        self.runner.discard(rid)
         if closing:
-            gen.report = report
-            gen._fail(EngineClosedError(f"request {gen.request_id!r}: the engine was closed"))
+            stream.report = report
+            stream.fail(EngineClosedError(f"request {rid!r}: the engine was closed"))
         else:
-            gen._finish(report)
+            stream.finish(report)
         self._poke()
+
+    def _abort_soon(self, stream: _Stream) -> None:
+        """Abort from a finaliser: on the engine's loop, whichever thread collected."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(self._abort, stream)
 
     def _poke(self) -> None:
         if self._wake is not None:
@@ -420,23 +613,54 @@ class AsyncEngine:
                     result = await asyncio.shield(future)
                 except asyncio.CancelledError:
                     await asyncio.wait([future])  # never leave the worker writing the pool
+                    self._settle(future)
                     raise
                 self._deliver(sched.complete_step(result, self._clock()))
+                if self._flush_events is not None:
+                    self._flush_events()
                 await asyncio.sleep(0)  # let consumers and new arrivals run between steps
         except Exception as exc:  # a model or backend failure: fail every request, stop
             self._error = exc
-            for gen in list(self._live.values()):
-                gen._fail(exc)
-            self._live.clear()
+            self._fail_all(exc)
+
+    def _settle(self, future: asyncio.Future[StepResult]) -> None:
+        """Complete the step the loop was cancelled in (by `close`), so that the requests
+        aborted during it hand back their pins and pages."""
+        exc = None if future.cancelled() else future.exception()
+        if exc is not None or future.cancelled():
+            self._fail_all(exc if exc is not None else EngineClosedError("the step was cancelled"))
+        else:
+            self._deliver(self._scheduler.complete_step(future.result(), self._clock()))
+
+    def _fail_all(self, exc: BaseException) -> None:
+        """Abort every live request with ``exc`` and close the step they were in: nothing
+        the failed step computed is used, and every pin and private page is handed back."""
+        sched = self._scheduler
+        live = list(self._live.values())
+        self._live.clear()
+        for stream in live:
+            with contextlib.suppress(PrefixflightError):
+                stream.report = sched.abort(stream.request_id, now=self._clock())
+            self.runner.discard(stream.request_id)
+            stream.fail(exc)
+        plan = sched.outstanding
+        if plan is not None:
+            # every request of the plan is aborted now, so the scheduler discards what this
+            # result says; it only closes the step (the aborted requests' pages come back)
+            sampled = [(p.request_id, 0) for p in plan.prefills if p.sample]
+            sampled += [(d.request_id, 0) for d in plan.decodes]
+            result = StepResult(step=plan.step, sampled=tuple(sampled))
+            with contextlib.suppress(PrefixflightError):
+                sched.complete_step(result, self._clock())
 
     def _deliver(self, outcome: StepOutcome) -> None:
         live = self._live
         for rid, token in outcome.tokens:
-            gen = live.get(rid)
-            if gen is not None:
-                gen._push(token)
+            stream = live.get(rid)
+            if stream is not None:
+                stream.push(token)
         for report in outcome.finished:
-            gen = live.pop(report.request_id, None)
+            stream = live.pop(report.request_id, None)
             self.runner.discard(report.request_id)
-            if gen is not None:
-                gen._finish(report)
+            if stream is not None:
+                stream.finish(report)

@@ -47,6 +47,11 @@ def _check_seed(_i: object, _a: object, value: int | None) -> None:
         _check_nonneg_int("seed", value)
 
 
+def _check_bool(_i: object, a: attrs.Attribute[bool], value: bool) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{a.name} must be a bool, got {value!r}")
+
+
 def _check_stop(_i: object, _a: object, value: tuple[int, ...]) -> None:
     for t in value:
         _check_nonneg_int("stop_token_ids item", t)
@@ -60,7 +65,8 @@ class SamplingParams:
     temperature, restricted to the ``top_k`` most likely tokens (0: no limit) and to the
     smallest set whose probability reaches ``top_p``, and sampled with a generator seeded by
     ``seed`` (random when ``None``). Generation stops after ``max_tokens`` tokens or at a
-    token in ``stop_token_ids`` (which is emitted).
+    token in ``stop_token_ids`` (which is emitted); an engine also stops at its tokenizer's
+    end-of-sequence token unless ``ignore_eos`` (vLLM's name for the same switch).
     """
 
     max_tokens: int = attrs.field(default=16, validator=_check_max_tokens)
@@ -71,6 +77,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = attrs.field(
         default=(), converter=tuple, validator=_check_stop
     )
+    ignore_eos: bool = attrs.field(default=False, validator=_check_bool)
 
     @property
     def greedy(self) -> bool:

@@ -1,0 +1,114 @@
+"""Text in and out: the tokenizer seam (`Codec`) and one choice's incremental text.
+
+`TextStream` turns a choice's tokens into the text deltas a stream sends: it decodes the
+whole output so far (outputs are short; this keeps multi-token characters right), holds
+back an incomplete UTF-8 character (decoded as U+FFFD) and, when stop strings are set, the
+last ``len(longest stop) - 1`` characters, which could still become a stop string. A stop
+string ends the choice; it and everything after it are not sent (OpenAI's rule).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Protocol, final
+
+from prefixflight.core import UsageError
+
+__all__ = ["Codec", "HFCodec", "TextStream"]
+
+
+class Codec(Protocol):
+    """What the server needs from a tokenizer."""
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a completion prompt (with the tokenizer's special tokens)."""
+        ...
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of output tokens, special tokens (EOS, end of turn) left out."""
+        ...
+
+    def chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        """Token ids of a conversation rendered by the chat template, ready for the
+        assistant's answer; `UsageError` if there is no template."""
+        ...
+
+
+@final
+class HFCodec:
+    """A Hugging Face tokenizer as a `Codec`; ``chat_template`` replaces the tokenizer's."""
+
+    __slots__ = ("chat_template", "tokenizer")
+
+    def __init__(self, tokenizer: Any, *, chat_template: str | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text)["input_ids"])
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
+
+    def chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
+        if not template:
+            raise UsageError("this model's tokenizer has no chat template; use /v1/completions")
+        ids = self.tokenizer.apply_chat_template(
+            [dict(m) for m in messages],
+            add_generation_prompt=True,
+            tokenize=True,
+            chat_template=template,
+        )
+        return [int(t) for t in getattr(ids, "input_ids", ids)]
+
+
+@final
+class TextStream:
+    """One choice's text: feed tokens with `add`, send what it returns, then `flush`."""
+
+    __slots__ = ("_codec", "_hold", "_ids", "_sent", "_stops", "_text", "stopped")
+
+    def __init__(self, codec: Codec, stops: Iterable[str] = ()) -> None:
+        self._codec = codec
+        self._stops = tuple(s for s in stops if s)
+        self._hold = max((len(s) for s in self._stops), default=1) - 1
+        self._ids: list[int] = []
+        self._text = ""
+        self._sent = 0
+        self.stopped = False
+        """True once a stop string appeared: the choice is over."""
+
+    @property
+    def text(self) -> str:
+        """The choice's text so far (cut before a stop string)."""
+        return self._text
+
+    def add(self, token: int) -> str:
+        """Take one output token; return the text that is now safe to send."""
+        if self.stopped:
+            return ""
+        self._ids.append(token)
+        text = self._codec.decode(self._ids)
+        if text.endswith("\ufffd"):  # a character split across tokens: wait for the rest
+            return ""
+        self._text = text
+        if self._stops:
+            start = max(0, self._sent - self._hold)
+            hits = [i for i in (text.find(s, start) for s in self._stops) if i >= 0]
+            if hits:
+                self._text = text[: min(hits)]
+                self.stopped = True
+                return self._take(len(self._text))
+        return self._take(len(text) - self._hold)
+
+    def flush(self) -> str:
+        """The held-back rest, once the choice has ended."""
+        return self._take(len(self._text))
+
+    def _take(self, upto: int) -> str:
+        if upto <= self._sent:
+            return ""
+        delta = self._text[self._sent : upto]
+        self._sent = upto
+        return delta
