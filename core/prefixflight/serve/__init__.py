@@ -1,0 +1,1 @@
+"""Serving prefixflight engines: HTTP front ends and distributed deployments."""
