@@ -46,6 +46,7 @@ __all__ = [
     "ROUTING_STATS_KEYS",
     "BlockSetResidency",
     "FallbackName",
+    "FirstToken",
     "GenerateRequest",
     "GenerateResult",
     "ResidencyFirstRouter",
@@ -143,6 +144,15 @@ class GenerateResult:
     ttft: float | None
     first_token_unix: float | None
     finished_unix: float
+
+
+@attrs.frozen(kw_only=True)
+class FirstToken:
+    """The first event of a streamed request: its first token and where it runs."""
+
+    replica: str
+    token_id: int
+    unix: float
 
 
 def find_request(args: Sequence[Any], kwargs: Mapping[str, Any]) -> GenerateRequest | None:

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any, Literal, TypeAlias, final
 
 import attrs
 
 from prefixflight.core import ConfigError, RequestState
 
-from ._adapter import GenerateRequest, GenerateResult
+from ._adapter import FirstToken, GenerateRequest, GenerateResult
 
 __all__ = ["TINY_LLAMA", "CharTokenizer", "EngineReplica", "ModelKind", "ModelSpec"]
 
@@ -135,22 +135,39 @@ class EngineReplica:
         self, request: GenerateRequest | None = None, **fields: Any
     ) -> GenerateResult:
         """Run one request to completion (keywords build a `GenerateRequest`)."""
-        req = GenerateRequest(**fields) if request is None else request
+        result: GenerateResult | None = None
+        async for event in self._run(GenerateRequest(**fields) if request is None else request):
+            if isinstance(event, GenerateResult):
+                result = event
+        assert result is not None
+        return result
+
+    async def stream(
+        self, request: GenerateRequest | None = None, **fields: Any
+    ) -> AsyncIterator[FirstToken | GenerateResult]:
+        """Two events (``handle.options(stream=True).stream.remote(...)``): `FirstToken` as
+        soon as the first token exists, then the `GenerateResult`."""
+        async for event in self._run(GenerateRequest(**fields) if request is None else request):
+            yield event
+
+    async def _run(self, req: GenerateRequest) -> AsyncIterator[FirstToken | GenerateResult]:
         prompt: Any = req.prompt_ids if req.prompt_ids else req.prompt
         sampling = self._sampling(
             max_tokens=req.max_tokens, temperature=req.temperature, seed=req.seed
         )
         gen = self._engine.generate(prompt, sampling, namespace=req.namespace)
         first: float | None = None
-        async for _ in gen:
-            if first is None:
-                first = time.time()
+        async with gen:
+            async for token in gen:
+                if first is None:
+                    first = time.time()
+                    yield FirstToken(replica=self._name, token_id=token, unix=first)
         report = gen.report
         assert report is not None
         self._requests += 1
         self._prompt_tokens += report.prompt_tokens
         self._cached_tokens += report.cached_tokens
-        return GenerateResult(
+        yield GenerateResult(
             replica=self._name,
             token_ids=tuple(gen.tokens),
             prompt_tokens=report.prompt_tokens,
