@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 
 from prefixflight.core import PrefixflightError
 
-from . import _bench_cmd, _demo_cmd, _replay_cmd, _simulate_cmd, _sweep_cmd
+from . import _bench_cmd, _demo_cmd, _replay_cmd, _serve_ray_cmd, _simulate_cmd, _sweep_cmd
 
 __all__ = ["main"]
 
@@ -20,6 +20,7 @@ COMMANDS: tuple[Register, ...] = (
     _sweep_cmd.register,
     _bench_cmd.register,
     _demo_cmd.register,
+    _serve_ray_cmd.register,  # temporary: `serve --replicas/--router` once `serve` exists
 )
 
 

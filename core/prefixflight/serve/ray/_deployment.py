@@ -178,8 +178,9 @@ class EngineReplica:
             finished_unix=time.time(),
         )
 
-    def counters(self) -> dict[str, Any]:
-        """The replica's coarse cache state (`ROUTING_STATS_KEYS`)."""
+    async def counters(self) -> dict[str, Any]:
+        """The replica's coarse cache state (`ROUTING_STATS_KEYS`); async so that it runs on
+        the engine's event loop, never beside a step in another thread."""
         sched = self._engine.scheduler
         states = list(sched.requests().values())
         usage = sched.page_usage()
@@ -194,9 +195,9 @@ class EngineReplica:
             "cached_blocks": len(sched.cache),
         }
 
-    def record_routing_stats(self) -> dict[str, Any]:
+    async def record_routing_stats(self) -> dict[str, Any]:
         """Serve polls this and passes it to routers as ``RunningReplica.routing_stats``."""
-        return self.counters()
+        return await self.counters()
 
     def kv_event_source(self) -> None:
         """Seam: where this replica's engine will publish its KV events (its `PrefixCache`
