@@ -124,7 +124,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "serve-ray",
         help="engine replicas on a local Ray Serve behind the burst router (extra 'ray')",
-        description=__doc__.splitlines()[0] if __doc__ else None,
+        description="Start N engine replicas on a local Ray Serve behind a request router, "
+        "send a burst of identical prompts and show where they landed.",
     )
     add_ray_arguments(p)
     p.set_defaults(func=run_ray, parser=p)
