@@ -185,7 +185,12 @@ class BurstRequestRouter(RequestRouter):
         if future is None:  # another routing task may already wait for this request
             future = self._waiters[rid] = loop.create_future()
             now = max(loop.time(), self._state.now)
-            self._resolve(self._state.submit(rid, request, now, self._loads(candidates)))
+            try:
+                decisions = self._state.submit(rid, request, now, self._loads(candidates))
+            except BaseException:  # Serve logs it and routes the request again
+                del self._waiters[rid]
+                raise
+            self._resolve(decisions)
             self._arm()
         try:
             return await asyncio.shield(future)
