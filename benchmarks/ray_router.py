@@ -344,6 +344,12 @@ def main() -> None:
     ap.add_argument("--burst-ms", type=float, default=20.0)
     ap.add_argument("--window-ms", type=int, default=30)
     ap.add_argument("--route-block", type=int, default=16, help="burst router key block")
+    ap.add_argument(
+        "--residency",
+        choices=("stats", "none"),
+        default="stats",
+        help="burst: use the resident blocks replicas report in record_routing_stats",
+    )
     ap.add_argument("--mooncake", type=int, default=48, help="trace records (0: none)")
     ap.add_argument("--mooncake-blocks", type=int, default=8)
     ap.add_argument("--mooncake-span-s", type=float, default=4.0)
@@ -368,7 +374,12 @@ def main() -> None:
     pooled: list[Outcome] = []
     for name in names:
         kwargs = (
-            {"window_ms": args.window_ms, "block_size_tokens": args.route_block, "seed": 0}
+            {
+                "window_ms": args.window_ms,
+                "block_size_tokens": args.route_block,
+                "seed": 0,
+                "residency_source": "stats" if args.residency == "stats" else None,
+            }
             if name == "burst"
             else {}
         )
@@ -439,6 +450,7 @@ def main() -> None:
                 },
                 "window_ms": args.window_ms,
                 "route_block": args.route_block,
+                "residency": args.residency,
                 "seed": args.seed,
             },
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},

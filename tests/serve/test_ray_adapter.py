@@ -136,3 +136,25 @@ def test_state_rejects_bad_configuration() -> None:
         RoutingState(engine_block_size=0)
     with pytest.raises(ConfigError, match="residency must be a ResidencySource"):
         RoutingState(residency=object())  # type: ignore[arg-type]
+
+
+def test_stats_residency_follows_the_replicas_reports() -> None:
+    state = RoutingState(BurstConfig(window_ms=10), stats_residency=True)
+    ids = prompt(6, 64)
+    blocks = BlockHasher(block_size=16).hash_tokens(ids)
+    state.observe("b", {"version": 1, "resident_blocks": list(blocks)})
+    state.observe("a", {"running": 1})  # no snapshot: nothing learned
+    state.submit("x", GenerateRequest(prompt_ids=ids), 0.0, LOADS)
+    state.tick(0.01, LOADS)
+    assert state.decision("x") == "b"
+    state.observe("b", {"version": 1, "resident_blocks": []})  # the same report: ignored
+    state.submit("y", GenerateRequest(prompt_ids=ids), 0.02, LOADS)
+    state.tick(0.03, LOADS)
+    assert state.decision("y") == "b"
+    state.observe("b", {"version": 2, "resident_blocks": []})  # evicted since
+    state.observe("c", {"version": 7, "resident_blocks": list(blocks[:1])})
+    state.submit("z", GenerateRequest(prompt_ids=ids), 0.04, LOADS)
+    state.tick(0.05, LOADS)
+    assert state.decision("z") == "c"
+    with pytest.raises(ConfigError, match="not both"):
+        RoutingState(residency=BlockSetResidency(), stats_residency=True)

@@ -57,7 +57,7 @@ def handle() -> Iterator[Any]:
             REPLICAS,
             "burst",
             ModelSpec(kind="llama-config", llama_config=TINY, seed=0),
-            router_kwargs={"window_ms": 300},
+            router_kwargs={"window_ms": 300, "residency_source": "stats"},
             stats_period_s=0.5,
         )
     finally:

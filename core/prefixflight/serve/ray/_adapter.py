@@ -66,10 +66,13 @@ ROUTING_STATS_KEYS = (
     "prompt_tokens",
     "cached_tokens",
     "cached_blocks",
+    "version",
+    "resident_blocks",
 )
 """What a replica's ``record_routing_stats`` reports (the coarse cache state): running and
-waiting requests, fraction of KV pages in use, and cumulative request / prompt-token /
-cached-token counters plus the number of blocks in its prefix cache."""
+waiting requests, fraction of KV pages in use, cumulative request / prompt-token /
+cached-token counters, the number of blocks in its prefix cache, a report counter and the
+hashes of its resident blocks (at most a configured number; a snapshot, one period old)."""
 
 
 def _token_ids(value: object) -> tuple[int, ...] | None:
@@ -256,6 +259,10 @@ class BlockSetResidency:
     def cleared(self, replica: str) -> None:
         self._blocks.pop(replica, None)
 
+    def replace(self, replica: str, blocks: Iterable[BlockHash]) -> None:
+        """A full snapshot of ``replica``'s resident blocks (a coarse stats report)."""
+        self._blocks[replica] = set(blocks)
+
     def drop_replica(self, replica: str) -> None:
         self._blocks.pop(replica, None)
 
@@ -354,6 +361,8 @@ class RoutingState:
         "_residency",
         "_route_hashers",
         "_router",
+        "_snapshots",
+        "_stats_seen",
         "_waiting",
     )
 
@@ -364,6 +373,7 @@ class RoutingState:
         fallback: FallbackName = "approx",
         engine_block_size: int = 16,
         residency: ResidencySource | None = None,
+        stats_residency: bool = False,
         seed: int | None = None,
         max_decided: int = 100_000,
     ) -> None:
@@ -376,6 +386,12 @@ class RoutingState:
             raise ConfigError(f"engine_block_size must be >= 1, got {engine_block_size!r}")
         if residency is not None and not isinstance(residency, ResidencySource):
             raise ConfigError(f"residency must be a ResidencySource, got {residency!r}")
+        if residency is not None and stats_residency:
+            raise ConfigError("give a residency source or stats_residency=True, not both")
+        self._snapshots: BlockSetResidency | None = None
+        if stats_residency:
+            residency = self._snapshots = BlockSetResidency()
+        self._stats_seen: dict[str, object] = {}
         rng = random.Random(seed)
         inner: Router
         match fallback:
@@ -420,6 +436,18 @@ class RoutingState:
     def waiting(self) -> frozenset[str]:
         """Requests waiting in the open window."""
         return frozenset(self._waiting)
+
+    def observe(self, replica: str, stats: Mapping[str, Any] | None) -> None:
+        """A replica's latest ``record_routing_stats``: with ``stats_residency``, a new report
+        (its ``version`` changed) replaces the replica's resident blocks."""
+        if self._snapshots is None or not stats:
+            return
+        blocks = stats.get("resident_blocks")
+        version = stats.get("version")
+        if blocks is None or version is None or self._stats_seen.get(replica) == version:
+            return
+        self._stats_seen[replica] = version
+        self._snapshots.replace(replica, blocks)
 
     def decision(self, request_id: str) -> str | None:
         """The replica chosen for ``request_id`` and not yet consumed."""
@@ -493,6 +521,7 @@ class RoutingState:
             del self._decided[rid]
         if self._residency is not None:
             self._residency.drop_replica(name)
+        self._stats_seen.pop(name, None)
         return withdrawn
 
     def _record(self, decisions: tuple[Routed, ...]) -> tuple[Routed, ...]:

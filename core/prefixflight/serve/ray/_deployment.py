@@ -12,6 +12,7 @@ torch is imported inside the replica (``__init__``), never in the router's proce
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -106,11 +107,16 @@ class EngineReplica:
 
     ``engine_config`` is an `EngineConfig` (``None``: its defaults); ``torch_threads`` sets
     ``torch.set_num_threads`` in this replica (give each replica its share of the cores so
-    N replicas do not oversubscribe them).
+    N replicas do not oversubscribe them); ``report_blocks`` caps the resident block hashes
+    each stats report carries (0: none).
     """
 
     def __init__(
-        self, model: ModelSpec, engine_config: Any = None, torch_threads: int = 1
+        self,
+        model: ModelSpec,
+        engine_config: Any = None,
+        torch_threads: int = 1,
+        report_blocks: int = 4096,
     ) -> None:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         import torch
@@ -126,6 +132,8 @@ class EngineReplica:
         self._requests = 0
         self._prompt_tokens = 0
         self._cached_tokens = 0
+        self._report_blocks = max(0, int(report_blocks))
+        self._version = 0
 
     @property
     def name(self) -> str:
@@ -196,8 +204,14 @@ class EngineReplica:
         }
 
     async def record_routing_stats(self) -> dict[str, Any]:
-        """Serve polls this and passes it to routers as ``RunningReplica.routing_stats``."""
-        return await self.counters()
+        """Serve polls this and passes it to routers as ``RunningReplica.routing_stats``:
+        the counters plus a snapshot of the resident block hashes (`ROUTING_STATS_KEYS`)."""
+        stats = await self.counters()
+        self._version += 1
+        stats["version"] = self._version
+        resident = self._engine.scheduler.cache.policy.resident() if self._report_blocks else ()
+        stats["resident_blocks"] = list(itertools.islice(resident, self._report_blocks))
+        return stats
 
     def kv_event_source(self) -> None:
         """Seam: where this replica's engine will publish its KV events (its `PrefixCache`

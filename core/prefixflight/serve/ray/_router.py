@@ -83,7 +83,8 @@ class BurstRequestRouter(RequestRouter):
 
         The `BurstConfig` fields (llm-d's names), the engine's page size (to key residency),
         the fallback for requests with no affinity in their window (``"approx"``: llm-d's
-        approximate prefix scorer; ``"least_loaded"``), ``residency_source`` (the import path
+        approximate prefix scorer; ``"least_loaded"``), ``residency_source`` (``"stats"``: the
+        resident blocks the replicas report in ``record_routing_stats``; or the import path
         of a zero-argument factory returning a `ResidencySource`: the KV-event seam) and the
         most concurrent routing tasks (the largest window this router can form).
         """
@@ -98,7 +99,7 @@ class BurstRequestRouter(RequestRouter):
             balance_by=cast(Any, balance_by),
         )
         residency: ResidencySource | None = None
-        if residency_source is not None:
+        if residency_source is not None and residency_source != "stats":
             factory = cast(Callable[[], ResidencySource], load_object(residency_source))
             residency = factory()
         self._state = RoutingState(
@@ -106,6 +107,7 @@ class BurstRequestRouter(RequestRouter):
             fallback=fallback,
             engine_block_size=engine_block_size,
             residency=residency,
+            stats_residency=residency_source == "stats",
             seed=seed,
         )
         self._waiters = {}
@@ -131,6 +133,8 @@ class BurstRequestRouter(RequestRouter):
     # -- routing --------------------------------------------------------------------------
     def _loads(self, replicas: Sequence[RunningReplica]) -> list[ReplicaLoad]:
         cache = self.replica_queue_len_cache
+        for r in replicas:
+            self._state.observe(r.replica_id.unique_id, r.routing_stats)
         return [
             replica_load(
                 r.replica_id.unique_id,
