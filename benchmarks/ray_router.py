@@ -18,7 +18,9 @@ Workload (same seed, same requests for every router):
 
 Prompts go as token ids (what our router hashes and the replicas run) and as text that the
 replicas' character tokenizer maps to exactly those ids (what Ray's prefix router matches).
-Measured per router: GRPO groups fully co-located, mean distinct replicas per group, the
+Each of ``--rounds`` rounds deploys and runs every router once, the order rotated; the
+table shows medians over rounds (the JSON keeps every round). Measured per router: GRPO
+groups fully co-located, mean distinct replicas per group, the
 prefix-cache hit rate (cached / prompt tokens, from each replica's own engine counters),
 TTFT p50/p95 (client side: send to the first streamed token, routing included) and the
 makespan (the two phases' wall time). ``simulated`` is our cluster simulator on the same
@@ -223,6 +225,23 @@ def summarize(outcomes: list[Outcome], wall: float) -> dict[str, Any]:
     }
 
 
+def median_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The median of each metric over rounds (per phase too); the rounds themselves kept."""
+
+    def med(items: list[dict[str, Any]], key: str) -> Any:
+        values = [x[key] for x in items if x.get(key) is not None]
+        return statistics.median(values) if values else None
+
+    keys = [key for _, key, _ in ROWS] + ["failed"]
+    out: dict[str, Any] = {k: med(runs, k) for k in keys}
+    out["workloads"] = {
+        phase: {k: med([x["workloads"][phase] for x in runs], k) for k in keys}
+        for phase in ("grpo", "mooncake")
+    }
+    out["rounds"] = runs
+    return out
+
+
 def fit_costs(outcomes: list[Outcome]) -> tuple[float, float]:
     """(prefill s/token, decode s/step) from the replicas' own timings: a decode step is the
     median time between first and last token per token; a cold prefill is a leader's engine
@@ -354,6 +373,7 @@ def main() -> None:
     ap.add_argument("--mooncake-blocks", type=int, default=8)
     ap.add_argument("--mooncake-span-s", type=float, default=4.0)
     ap.add_argument("--num-cpus", type=int, default=None)
+    ap.add_argument("--rounds", type=int, default=3, help="rounds, router order rotated")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args()
@@ -370,41 +390,43 @@ def main() -> None:
     mooncake = mooncake_specs(rng, args, first_group=10**6) if args.mooncake else []
     warm = [Spec("warm", 0, -1 - i, 0.0, (i + 1,) * 40, 4) for i in range(2 * args.replicas)]
     names = [n.strip() for n in args.routers.split(",") if n.strip()]
-    results: dict[str, dict[str, Any]] = {}
+    rounds: dict[str, list[dict[str, Any]]] = {ROUTER_KEYS[n]: [] for n in names}
     pooled: list[Outcome] = []
-    for name in names:
-        kwargs = (
-            {
-                "window_ms": args.window_ms,
-                "block_size_tokens": args.route_block,
-                "seed": 0,
-                "residency_source": "stats" if args.residency == "stats" else None,
+    for r in range(args.rounds):
+        order = names[r % len(names) :] + names[: r % len(names)]  # rotate who goes first
+        for name in order:
+            kwargs: dict[str, Any] = {}
+            if name == "burst":
+                kwargs = {
+                    "window_ms": args.window_ms,
+                    "block_size_tokens": args.route_block,
+                    "seed": 0,
+                    "residency_source": "stats" if args.residency == "stats" else None,
+                }
+            print(f"== round {r + 1}: {name}", file=sys.stderr, flush=True)
+            handle = run_local(
+                args.replicas,
+                name,
+                ModelSpec.tiny(),
+                router_kwargs=kwargs,
+                num_cpus=args.num_cpus,
+                app_name=f"bench-{name}-{r}",
+            )
+            asyncio.run(run_phase(handle, warm))  # torch's first calls, off the clock
+            run = asyncio.run(run_workload(handle, grpo, mooncake))
+            outs = run["outcomes"]
+            pooled += outs["grpo"] + outs["mooncake"]
+            summary = summarize(outs["grpo"] + outs["mooncake"], sum(run["walls"].values()))
+            summary["workloads"] = {
+                phase: summarize(outs[phase], run["walls"][phase])
+                for phase in ("grpo", "mooncake")
             }
-            if name == "burst"
-            else {}
-        )
-        print(f"== {name}: deploying {args.replicas} replicas", file=sys.stderr, flush=True)
-        handle = run_local(
-            args.replicas,
-            name,
-            ModelSpec.tiny(),
-            router_kwargs=kwargs,
-            num_cpus=args.num_cpus,
-            app_name=f"bench-{name}",
-        )
-        asyncio.run(run_phase(handle, warm))  # torch's first calls, off the clock
-        run = asyncio.run(run_workload(handle, grpo, mooncake))
-        outs = run["outcomes"]
-        pooled += outs["grpo"] + outs["mooncake"]
-        summary = summarize(outs["grpo"] + outs["mooncake"], sum(run["walls"].values()))
-        summary["workloads"] = {
-            phase: summarize(outs[phase], run["walls"][phase]) for phase in ("grpo", "mooncake")
-        }
-        results[ROUTER_KEYS[name]] = summary
-        from ray import serve
+            rounds[ROUTER_KEYS[name]].append(summary)
+            from ray import serve
 
-        serve.delete(f"bench-{name}")
+            serve.delete(f"bench-{name}-{r}")
     shutdown()
+    results = {key: median_summary(runs) for key, runs in rounds.items()}
 
     costs = fit_costs(pooled)
     sim = simulated(grpo, mooncake, args, costs) if "burst" in names else None
@@ -451,6 +473,7 @@ def main() -> None:
                 "window_ms": args.window_ms,
                 "route_block": args.route_block,
                 "residency": args.residency,
+                "rounds": args.rounds,
                 "seed": args.seed,
             },
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
