@@ -1,7 +1,7 @@
 """`BurstRequestRouter`: our `BurstRouter` behind Ray Serve's `RequestRouter` interface.
 
 How Serve drives a request router (ray/serve/_private/request_router/request_router.py,
-Ray 2.5x): every handle (and every HTTP proxy) owns one router; each pending request is
+Ray 2.59): every handle (and every HTTP proxy) owns one router; each pending request is
 picked up by a *routing task* on the router's event loop, which awaits
 ``choose_replicas(candidates, pending_request)`` and then sends the request to the least
 loaded replica of the first rank whose queue is not full, trying the next rank (with
