@@ -17,10 +17,11 @@ from typing import Any
 from prefixflight.core import ReleasePolicy, UsageError
 
 from ._bench_cmd import prepare_torch_process
+from ._serve_ray_cmd import add_ray_arguments, run_ray
 
 __all__ = ["kv_publisher", "register", "run"]
 
-MODELS = ("smollm2",)
+MODELS = ("smollm2", "tiny")
 
 
 def _int_at_least(minimum: int) -> Any:
@@ -63,7 +64,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             "/v1/models, /health, /tokenize and Prometheus /metrics. Binds loopback by default."
         ),
     )
-    p.add_argument("--model", choices=MODELS, default="smollm2", help="default smollm2")
+    p.add_argument(
+        "--model",
+        choices=MODELS,
+        default="smollm2",
+        help="smollm2: the bundled SmolLM2-135M-Instruct; tiny: a random-weight 2-layer Llama "
+        "per replica (with --replicas, to try a deployment quickly)",
+    )
     p.add_argument(
         "--served-model-name",
         metavar="NAME",
@@ -154,6 +161,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="uvicorn's log level (default warning)",
     )
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    add_ray_arguments(p)
     p.set_defaults(func=run, parser=p)
 
 
@@ -195,6 +203,11 @@ def _imports() -> tuple[Any, Any]:
 
 def run(args: argparse.Namespace) -> int:
     parser: argparse.ArgumentParser = args.parser
+    if args.replicas is not None:
+        prepare_torch_process()
+        return run_ray(args)
+    if args.model == "tiny":
+        parser.error("--model tiny has no tokenizer to serve text over HTTP: give --replicas")
     if args.max_batch_tokens < args.max_running:
         parser.error(
             f"--max-batch-tokens ({args.max_batch_tokens}) must be >= --max-running "

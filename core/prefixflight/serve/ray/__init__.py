@@ -1,0 +1,69 @@
+"""prefixflight on Ray Serve (extra ``ray``): engine replicas behind our burst router.
+
+- `run_local` / `shutdown`: a local Ray instance with N `AsyncEngine` replicas behind
+  ``"burst"`` (ours), ``"prefix"`` (Ray's ``PrefixCacheAffinityRouter``) or ``"pow2"``
+  (Ray's default) routing.
+- `BurstRequestRouter`: our `BurstRouter` behind Ray Serve's ``RequestRouter``.
+- `EngineReplica`, `ModelSpec`: the deployment (handle API: ``generate(GenerateRequest)``
+  -> `GenerateResult`; coarse cache state via ``record_routing_stats``).
+- Ray-free (importable without Ray): `GenerateRequest`, `GenerateResult`, `RoutingState`,
+  `replica_load`, `find_request`, and the KV-event seam `ResidencySource` /
+  `BlockSetResidency`.
+
+Names that need Ray are imported on first use, so the Ray-free ones work without it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ._adapter import (
+    ROUTING_STATS_KEYS,
+    BlockSetResidency,
+    FallbackName,
+    FirstToken,
+    GenerateRequest,
+    GenerateResult,
+    ResidencyFirstRouter,
+    ResidencySource,
+    RoutingState,
+    find_request,
+    replica_load,
+)
+from ._deployment import TINY_LLAMA, CharTokenizer, EngineReplica, ModelSpec
+from ._launch import ROUTERS, RouterName, router_config, run_local, shutdown
+
+if TYPE_CHECKING:
+    from ._router import BurstRequestRouter
+
+__all__ = [
+    "ROUTERS",
+    "ROUTING_STATS_KEYS",
+    "TINY_LLAMA",
+    "BlockSetResidency",
+    "BurstRequestRouter",
+    "CharTokenizer",
+    "EngineReplica",
+    "FallbackName",
+    "FirstToken",
+    "GenerateRequest",
+    "GenerateResult",
+    "ModelSpec",
+    "ResidencyFirstRouter",
+    "ResidencySource",
+    "RouterName",
+    "RoutingState",
+    "find_request",
+    "replica_load",
+    "router_config",
+    "run_local",
+    "shutdown",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "BurstRequestRouter":  # imports Ray
+        from ._router import BurstRequestRouter
+
+        return BurstRequestRouter
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

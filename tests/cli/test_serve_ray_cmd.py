@@ -1,0 +1,48 @@
+"""``serve --replicas``'s flags (parsing only: the command itself runs in tests/serve)."""
+
+from __future__ import annotations
+
+import pytest
+
+from prefixflight.cli._main import build_parser
+
+
+def test_flags_parse_with_defaults() -> None:
+    args = build_parser().parse_args(
+        ["serve", "--replicas", "3", "--router", "pow2", "--model", "tiny"]
+    )
+    assert (args.replicas, args.router, args.model, args.window_ms, args.burst) == (
+        3,
+        "pow2",
+        "tiny",
+        100,
+        8,
+    )
+    assert not args.keep
+    assert build_parser().parse_args(["serve"]).replicas is None  # one engine over HTTP
+
+
+def test_the_tiny_model_needs_replicas(capsys: pytest.CaptureFixture[str]) -> None:
+    from prefixflight.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--model", "tiny"])
+    assert exc.value.code == 2
+    assert "--model tiny" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--replicas", "0"], "must be >= 1, got '0'"),
+        (["--router", "random"], "invalid choice: 'random'"),
+        (["--burst", "x"], "expected an int, got 'x'"),
+    ],
+)
+def test_bad_flags_are_usage_errors(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["serve", *argv])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
