@@ -30,13 +30,18 @@ class _LeaksPages(Scheduler):  # type: ignore[misc]
     """Forgets to free the private pages of ended requests."""
 
     def _end(self, req: Any) -> None:
-        self._unpin(req.pinned)
+        self._pool.release(req.pinned, ())
         req.pinned = []
         req.private = set()
 
 
 class _PublishesEarly(Scheduler):  # type: ignore[misc]
-    """Publishes a block one step before all its tokens are computed."""
+    """Publishes a block one step before all its tokens are computed.
+
+    It overrides the scheduler's publication entry point once per request and step. (When
+    the retry after a refused block re-entered this method, the mutant added its ``+ 1``
+    again on every retry and never terminated: a RecursionError, not a caught bug.)
+    """
 
     def _publish(self, req: Any, upto: int) -> None:
         bs = self.config.block_size
