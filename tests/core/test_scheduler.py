@@ -596,3 +596,65 @@ def test_defect_5_prompt_and_stop_ids_outside_the_vocabulary_are_rejected() -> N
             sched.add_request("r", prompt_ids, max_new_tokens=1, now=0.0, stop_token_ids=stop)
         assert sched.requests() == {} and sched.page_usage().free == 8
     sched.add_request("r", [1, 9], max_new_tokens=1, now=0.0, stop_token_ids=(9,))
+
+
+# -- roles and statistics -----------------------------------------------------------------
+def test_a_leader_nobody_followed_reports_itself_independent() -> None:
+    """`Lead` is the coordinator's decision at arrival; the report says what happened."""
+    h = Host(*make(flight=ReleasePolicy.AFTER_PREFILL))
+    h.add("alone", prompt(9))
+    h.drain()
+    assert h.reports["alone"].role is Role.INDEPENDENT
+    assert h.s.coordinator.stats.flights_opened == 1  # it did lead a flight
+    h.add("L", prompt(9, 50))
+    h.add("F", prompt(9, 50))
+    h.drain()
+    assert (h.reports["L"].role, h.reports["F"].role) == (Role.LEADER, Role.FOLLOWER)
+
+
+def test_a_leader_whose_follower_left_still_reports_leader() -> None:
+    h = Host(*make(flight=ReleasePolicy.AFTER_PREFILL, budget=4))
+    h.add("L", prompt(10))
+    h.add("F", prompt(10))
+    assert h.s.abort("F", h.now).role is Role.FOLLOWER
+    h.drain()
+    assert h.reports["L"].role is Role.LEADER  # someone waited for its prompt
+
+
+def test_a_promoted_follower_nobody_waits_for_reports_follower() -> None:
+    h = Host(*make(flight=ReleasePolicy.AFTER_PREFILL, budget=4))
+    h.add("L", prompt(10))
+    h.add("F", prompt(10))
+    h.step()
+    assert h.s.abort("L", h.now).role is Role.LEADER
+    h.drain()
+    assert h.reports["F"].role is Role.FOLLOWER  # it waited; then nobody waited for it
+    assert h.s.coordinator.stats.promotions == 1
+
+
+def test_stats_count_the_engines_prefix_cache_queries_and_hits() -> None:
+    """`PrefixCache.stats` counts replayed requests; the engine's lookups are here."""
+    h = Host(*make())
+    h.add("a", prompt(10))
+    h.drain()
+    h.add("b", prompt(10))  # reuses (10 - 1) // 4 = 2 blocks
+    h.add("c", prompt(6, 500))  # nothing cached
+    h.drain()
+    st = h.s.stats
+    assert (st.prefix_queries, st.prefix_query_tokens) == (3, 26)
+    assert st.prefix_hit_tokens == st.cached_tokens == 8
+    assert st.prefix_hit_rate == pytest.approx(8 / 26)
+    assert h.s.cache.stats.requests == 0  # the replay counters saw no replayed request
+    d = st.to_dict()
+    assert d["prefix_query_tokens"] == 26 and set(d) == {f.name for f in attrs.fields(type(st))}
+
+
+def test_stats_add_up_the_scheduler_and_page_pool_counters() -> None:
+    """Every `SchedulerStats` field is counted by exactly one of the two counters."""
+    from prefixflight.core.flight._pages import PageCounters
+    from prefixflight.core.flight._scheduler import _Counters
+
+    ours = {f.name for f in attrs.fields(_Counters)}
+    pool = {f.name for f in attrs.fields(PageCounters)}
+    assert not ours & pool
+    assert ours | pool == {f.name for f in attrs.fields(type(make()[0].stats))}

@@ -263,6 +263,7 @@ class _Request:
     hashes: list[BlockHash]  # prompt blocks, then decode blocks as they are hashed
     role: Role = Role.INDEPENDENT  # the coordinator's: LEADER after Lead or Promote
     followed: bool = False  # a follower waited in the flight this request led
+    waited: bool = False  # it waited in a flight
     flight: int | None = None  # the flight it leads
     state: RequestState = RequestState.QUEUED
     flight_wait: float = 0.0
@@ -510,6 +511,7 @@ class Scheduler:
                     self._queue.append(req)
                 case Wait() if d.request_id == request_id:
                     req.role = Role.FOLLOWER
+                    req.waited = True
                     req.state = RequestState.WAITING
                     self._flight_waiting[request_id] = req
                     leader = self._leaders.get(d.flight)
@@ -822,11 +824,18 @@ class Scheduler:
                     raise UsageError(f"step {step}: request {rid!r}: {exc}") from None
             raise  # pragma: no cover  # one of them failed above
 
+    @staticmethod
+    def _role(req: _Request) -> Role:
+        """What the request did (see `Role`), not only what the coordinator decided."""
+        if req.followed:
+            return Role.LEADER
+        return Role.FOLLOWER if req.waited else Role.INDEPENDENT
+
     def _report(self, req: _Request, reason: FinishReason, step: int | None) -> RequestReport:
         computed = min(req.num_computed, len(req.prompt)) - req.cached
         return RequestReport(
             request_id=req.id,
-            role=req.role if req.followed or req.role is not Role.LEADER else Role.INDEPENDENT,
+            role=self._role(req),
             finish_reason=reason,
             prompt_tokens=len(req.prompt),
             cached_tokens=req.cached,
