@@ -62,3 +62,24 @@ def test_machine_catches_broken_schedulers(broken: type[Scheduler]) -> None:
     machine = SchedulerMachine.for_factory(_factory(broken))
     with pytest.raises(AssertionError):
         run_state_machine_as_test(machine, settings=MUTANT_SETTINGS)
+
+
+def test_fake_backend_imports_without_hypothesis() -> None:
+    """`FakeBackend` is a development backend: it must not need the ``specs`` extra."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from prefixflight.specs import FakeBackend, ReferenceLRU\n"
+        "from prefixflight.core import Scheduler, SchedulerConfig\n"
+        "s = Scheduler(SchedulerConfig(num_pages=4, block_size=2))\n"
+        "b = FakeBackend(4, 2, lambda rid, pos: 9)\n"
+        "s.add_request('r', [1, 2, 3], max_new_tokens=2, now=0.0)\n"
+        "b.sequences['r'] = [1, 2, 3]\n"
+        "out = s.complete_step(b.run(s.schedule(0.0)), 1.0)\n"
+        "assert out.tokens == (('r', 9),), out\n"
+        "assert 'hypothesis' not in sys.modules, 'hypothesis was imported'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
