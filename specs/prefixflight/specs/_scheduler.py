@@ -101,6 +101,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         # live request -> (prompt, namespace, max_new_tokens, stops on _STOP)
         self.live: dict[RequestId, tuple[tuple[int, ...], bytes, int, bool]] = {}
         self.aborting: set[RequestId] = set()  # aborted while the outstanding plan runs
+        self.added_tokens = 0  # prompt tokens of every accepted request
+        self.added = 0
         self.block_tokens: dict[BlockHash, tuple[int, ...]] = {}
         self.hashers = {ns: BlockHasher(_BLOCK, namespace=ns) for ns in (b"a", b"b")}
 
@@ -228,6 +230,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert state in (RequestState.QUEUED, RequestState.WAITING)
         self.live[rid] = (prompt, ns, max_new, stop)
         self.backend.sequences[rid] = list(prompt)
+        self.added += 1
+        self.added_tokens += len(prompt)
 
     @precondition(lambda self: bool(self.live))
     @rule(data=st.data(), rid=st.sampled_from(_IDS), max_new=st.integers(1, 3))
@@ -373,6 +377,16 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert page is not None
             held = tuple(self.backend.pages[page])
             assert held == self.block_tokens[b], f"cached page {page} holds {held}"
+
+    @invariant()
+    def prefix_counters_add_up(self) -> None:
+        """One lookup per admitted request: queries and hits never exceed what arrived."""
+        if self.sched is None:
+            return
+        stats = self.sched.stats
+        assert stats.prefix_queries <= self.added
+        assert stats.prefix_query_tokens <= self.added_tokens
+        assert stats.cached_tokens <= stats.prefix_query_tokens
 
     @invariant()
     def requests_agree_with_coordinator(self) -> None:
