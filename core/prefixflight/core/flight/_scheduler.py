@@ -369,7 +369,7 @@ class Scheduler:
         self._cache = cache
         self._coordinator = coordinator
         self._pool = PagePool(config.num_pages, cache)
-        self._leaders: dict[int, _Request] = {}  # open flight id -> the request leading it
+        self._leaders: dict[int, _Request] = {}  # flight id -> its leader, until the leader ends
         self._hashers: dict[bytes, BlockHasher] = {}
         self._queue: deque[_Request] = deque()
         self._flight_waiting: dict[RequestId, _Request] = {}
