@@ -1,17 +1,46 @@
-"""Hypothesis profiles: Hypothesis' automatic ``ci`` profile in CI (derandomised, no
-deadline), defaults in development, ``soak`` when HYPOTHESIS_PROFILE=soak."""
+"""Hypothesis profiles and the torch guard.
+
+Profiles: Hypothesis' automatic ``ci`` profile in CI (derandomised, no deadline), ``dev``
+(random seeds) in development, and by HYPOTHESIS_PROFILE: ``soak`` (2,000 examples of up to
+100 steps per machine, fresh seeds, no example database, no explain phase so a failure
+reports at once, with the reproducing blob) and ``fresh`` (the same settings at the
+default example count; ``tests/specs/fresh_seeds.py`` runs every machine this way for a time
+budget in CI).
+
+With PREFIXFLIGHT_REQUIRE_TORCH=1 (the torch tox env and CI set it) a test that would be
+skipped because torch or transformers cannot be imported fails instead.
+"""
 
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import Generator
+from typing import Any
 
-from hypothesis import HealthCheck, settings
+import pytest
+from hypothesis import HealthCheck, Phase, settings
+
+_BOUNDED_PHASES = (Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink)
 
 settings.register_profile(
     "soak",
     max_examples=2000,
-    stateful_step_count=200,
+    stateful_step_count=100,
     deadline=None,
+    database=None,
+    derandomize=False,
+    print_blob=True,
+    phases=_BOUNDED_PHASES,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "fresh",
+    deadline=None,
+    database=None,
+    derandomize=False,
+    print_blob=True,
+    phases=_BOUNDED_PHASES,
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.register_profile("dev", deadline=None)
@@ -20,3 +49,24 @@ if _profile:
     settings.load_profile(_profile)
 elif not os.environ.get("CI"):
     settings.load_profile("dev")
+
+REQUIRE_TORCH = os.environ.get("PREFIXFLIGHT_REQUIRE_TORCH") == "1"
+_TORCH_SKIP = re.compile(r"could not import '(torch|transformers)'")
+
+
+def _fail_torch_skip(report: Any) -> None:
+    if REQUIRE_TORCH and report.skipped and _TORCH_SKIP.search(str(report.longrepr)):
+        report.outcome = "failed"
+        report.longrepr = f"PREFIXFLIGHT_REQUIRE_TORCH=1 but {report.longrepr}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Generator[None, Any, None]:
+    outcome = yield
+    _fail_torch_skip(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: Any) -> Generator[None, Any, None]:
+    outcome = yield
+    _fail_torch_skip(outcome.get_result())

@@ -1,8 +1,11 @@
-"""Fixtures for the torch backend tests: tiny random-weight Llama and Qwen2 models (MODEL.md
-section 8), and the real SmolLM2 model converted once per test session.
+"""Fixtures for the torch backend tests: tiny random-weight Llama and Qwen2 models, and the
+real SmolLM2 model converted once per test session.
 
 torch and transformers are imported inside the fixtures, so collecting this folder without
-them installed works; the test modules skip themselves with ``pytest.importorskip``.
+them installed works; the test modules skip themselves with ``pytest.importorskip``. Where
+torch must be there (the torch tox env and CI set PREFIXFLIGHT_REQUIRE_TORCH=1), the root
+conftest turns those skips into failures and this module imports both at once, so a broken
+install fails the run instead of skipping every torch test.
 """
 
 from __future__ import annotations
@@ -14,6 +17,10 @@ from typing import Any
 import pytest
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads (see the backend docs)
+
+if os.environ.get("PREFIXFLIGHT_REQUIRE_TORCH") == "1":
+    import torch  # noqa: F401  # an ImportError here fails the run: torch is required
+    import transformers  # noqa: F401
 
 TINY_FAMILIES = ("llama", "qwen2")
 

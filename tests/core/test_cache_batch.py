@@ -128,3 +128,17 @@ def test_policy_evict_many_equals_repeated_evict(
     assert getattr(many, view)() == getattr(one, view)()
     assert many.resident() == one.resident()
     many.check_invariants()
+
+
+def test_capacity_error_carries_its_payload_from_construction() -> None:
+    """The payload is given when the error is made, not patched in by the layers above."""
+    import pickle
+
+    from prefixflight.core import CapacityError
+
+    err = CapacityError("full", applied=2, evicted=[(b"x", 3)], unused_pages=(5, 6))
+    assert (err.applied, err.evicted, err.unused_pages) == (2, [(b"x", 3)], [5, 6])
+    back = pickle.loads(pickle.dumps(err))
+    assert (str(back), back.applied, back.evicted, back.unused_pages) == (
+        "full", 2, [(b"x", 3)], [5, 6],
+    )  # fmt: skip

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from prefixflight.core import BlockHasher, ConfigError, UsageError
 
 tokens = st.lists(st.integers(0, 50_000), max_size=80)
-algorithms = st.sampled_from(["sha256", "crc64"])
+algorithms = st.sampled_from(["sha256", "crc32x2"])
 
 
 @given(tokens, tokens, st.integers(1, 8), algorithms)
@@ -82,7 +82,7 @@ def test_hashes_are_the_same_in_another_process_with_another_hash_seed() -> None
     code = (
         "from prefixflight.core import BlockHasher;"
         "print([BlockHasher(block_size=3, namespace='t', algorithm=a).hash_tokens(range(10))"
-        " for a in ('sha256', 'crc64')])"
+        " for a in ('sha256', 'crc32x2')])"
     )
     outs = {
         subprocess.run(
@@ -121,4 +121,13 @@ def test_a_foreign_parent_is_rejected() -> None:
     with pytest.raises(UsageError, match="32-byte"):
         BlockHasher().hash_tokens([1], parent=7)
     with pytest.raises(UsageError, match="64-bit"):
-        BlockHasher(algorithm="crc64").hash_tokens([1], parent=b"x")
+        BlockHasher(algorithm="crc32x2").hash_tokens([1], parent=b"x")
+
+
+def test_crc64_is_a_deprecated_alias_of_crc32x2() -> None:
+    """The 64-bit hash is two chained CRC-32s: named for what it is, the old name warns."""
+    with pytest.warns(DeprecationWarning, match="crc32x2"):
+        old = BlockHasher(4, algorithm="crc64")
+    new = BlockHasher(4, algorithm="crc32x2")
+    assert old == new and old.algorithm == "crc32x2"
+    assert old.hash_tokens(range(12)) == new.hash_tokens(range(12))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import attrs
 import pytest
 
 from prefixflight.core import (
@@ -508,3 +509,152 @@ def test_a_malformed_sampled_entry_is_rejected_without_change(bad: object) -> No
     assert sched.outstanding == plan
     outcome = sched.complete_step(StepResult(step=plan.step, sampled=(("r", 7),)), now=1.0)
     assert outcome.tokens == (("r", 7),)
+
+
+# -- issue 9: defects found by outside probing ------------------------------------------
+_INF = float("inf")
+
+
+@pytest.mark.parametrize("now", [_INF, -_INF], ids=["inf", "minus-inf"])
+@pytest.mark.parametrize("where", ["add_request", "schedule", "abort", "complete_step"])
+def test_defect_4_times_must_be_finite(where: str, now: float) -> None:
+    """Infinity used to be accepted as ``now``; every later call then failed ("time went
+    backwards") or statistics became NaN. A time is a finite number, checked before any
+    change."""
+    h = Host(*make(flight=ReleasePolicy.AFTER_PREFILL))
+    h.add("a", prompt(6))
+    h.add("b", prompt(6))
+    h.step()
+    plan = h.s.schedule(h.now) if where == "complete_step" else None
+    result = None if plan is None else h.b.run(plan)
+    before = snapshot(h.s)
+    with pytest.raises(UsageError, match="finite"):
+        match where:
+            case "add_request":
+                h.s.add_request("z", [1, 2, 3], max_new_tokens=1, now=now)
+            case "schedule":
+                h.s.schedule(now)
+            case "abort":
+                h.s.abort("a", now)
+            case _:
+                assert result is not None
+                h.s.complete_step(result, now)
+    assert snapshot(h.s) == before
+    if result is not None:
+        h.reports.update((r.request_id, r) for r in h.s.complete_step(result, h.now).finished)
+    h.s.check_invariants()
+    h.drain()  # the scheduler keeps working with finite times
+    assert set(h.reports) == {"a", "b"}
+
+
+_VOCAB = 2000
+
+
+@pytest.mark.parametrize(
+    ("token", "vocab"),
+    [(2**63, None), (2**64 + 5, None), (-1, None), (1.0, None), ("7", None), (_VOCAB, _VOCAB)],
+    ids=["2**63", "2**64+5", "negative", "float", "str", "outside-vocabulary"],
+)
+def test_defect_5_sampled_token_ids_are_checked_before_any_change(
+    token: object, vocab: int | None
+) -> None:
+    """A sampled id >= 2**63 used to be appended, the step half applied, and the next step
+    failed: the request never finished. The whole result is checked first; where the
+    scheduler knows the vocabulary, ids outside it are rejected too."""
+    config = SchedulerConfig(num_pages=32, block_size=BS, max_batch_tokens=64)
+    if vocab is not None:  # (a config without vocab_size: the regression runs on old code)
+        config = attrs.evolve(config, vocab_size=vocab)
+    sched = Scheduler(config)
+    backend = FakeBackend(32, BS, lambda rid, pos: 1000 + pos)
+    h = Host(sched, backend)
+    h.add("a", prompt(5), max_new=4)
+    h.add("b", prompt(7, 100), max_new=4)
+    h.step()  # both prefilled: the next step decodes both
+    plan = h.s.schedule(h.now)
+    good = h.b.run(plan)
+    assert len(good.sampled) == 2
+    bad = StepResult(step=plan.step, sampled=(good.sampled[0], (good.sampled[1][0], token)))  # type: ignore[arg-type]
+    before = snapshot(h.s)
+    report_before = h.s.page_table("a"), h.s.page_table("b")
+    with pytest.raises(UsageError, match=repr(token).replace("(", r"\(")):
+        h.s.complete_step(bad, h.now + 1.0)
+    assert snapshot(h.s) == before
+    assert (h.s.page_table("a"), h.s.page_table("b")) == report_before
+    h.now += 1.0
+    h.s.complete_step(good, h.now)  # the good result still applies, exactly once
+    h.s.check_invariants()
+    h.drain()
+    for rid in ("a", "b"):
+        out = h.reports[rid].output_token_ids
+        assert len(out) == 4 and all(0 <= t < _VOCAB for t in out)
+
+
+def test_defect_5_prompt_and_stop_ids_outside_the_vocabulary_are_rejected() -> None:
+    sched = Scheduler(SchedulerConfig(num_pages=8, block_size=2, vocab_size=10))
+    for prompt_ids, stop in (([1, 10], ()), ([1, 2**63], ()), ([1, 2], (10,))):
+        with pytest.raises(UsageError, match="vocabulary"):
+            sched.add_request("r", prompt_ids, max_new_tokens=1, now=0.0, stop_token_ids=stop)
+        assert sched.requests() == {} and sched.page_usage().free == 8
+    sched.add_request("r", [1, 9], max_new_tokens=1, now=0.0, stop_token_ids=(9,))
+
+
+# -- roles and statistics -----------------------------------------------------------------
+def test_a_leader_nobody_followed_reports_itself_independent() -> None:
+    """`Lead` is the coordinator's decision at arrival; the report says what happened."""
+    h = Host(*make(flight=ReleasePolicy.AFTER_PREFILL))
+    h.add("alone", prompt(9))
+    h.drain()
+    assert h.reports["alone"].role is Role.INDEPENDENT
+    assert h.s.coordinator.stats.flights_opened == 1  # it did lead a flight
+    h.add("L", prompt(9, 50))
+    h.add("F", prompt(9, 50))
+    h.drain()
+    assert (h.reports["L"].role, h.reports["F"].role) == (Role.LEADER, Role.FOLLOWER)
+
+
+def test_a_leader_whose_follower_left_still_reports_leader() -> None:
+    h = Host(*make(flight=ReleasePolicy.AFTER_PREFILL, budget=4))
+    h.add("L", prompt(10))
+    h.add("F", prompt(10))
+    assert h.s.abort("F", h.now).role is Role.FOLLOWER
+    h.drain()
+    assert h.reports["L"].role is Role.LEADER  # someone waited for its prompt
+
+
+def test_a_promoted_follower_nobody_waits_for_reports_follower() -> None:
+    h = Host(*make(flight=ReleasePolicy.AFTER_PREFILL, budget=4))
+    h.add("L", prompt(10))
+    h.add("F", prompt(10))
+    h.step()
+    assert h.s.abort("L", h.now).role is Role.LEADER
+    h.drain()
+    assert h.reports["F"].role is Role.FOLLOWER  # it waited; then nobody waited for it
+    assert h.s.coordinator.stats.promotions == 1
+
+
+def test_stats_count_the_engines_prefix_cache_queries_and_hits() -> None:
+    """`PrefixCache.stats` counts replayed requests; the engine's lookups are here."""
+    h = Host(*make())
+    h.add("a", prompt(10))
+    h.drain()
+    h.add("b", prompt(10))  # reuses (10 - 1) // 4 = 2 blocks
+    h.add("c", prompt(6, 500))  # nothing cached
+    h.drain()
+    st = h.s.stats
+    assert (st.prefix_queries, st.prefix_query_tokens) == (3, 26)
+    assert st.prefix_hit_tokens == st.cached_tokens == 8
+    assert st.prefix_hit_rate == pytest.approx(8 / 26)
+    assert h.s.cache.stats.requests == 0  # the replay counters saw no replayed request
+    d = st.to_dict()
+    assert d["prefix_query_tokens"] == 26 and set(d) == {f.name for f in attrs.fields(type(st))}
+
+
+def test_stats_add_up_the_scheduler_and_page_pool_counters() -> None:
+    """Every `SchedulerStats` field is counted by exactly one of the two counters."""
+    from prefixflight.core.flight._pages import PageCounters
+    from prefixflight.core.flight._scheduler import _Counters
+
+    ours = {f.name for f in attrs.fields(_Counters)}
+    pool = {f.name for f in attrs.fields(PageCounters)}
+    assert not ours & pool
+    assert ours | pool == {f.name for f in attrs.fields(type(make()[0].stats))}

@@ -67,8 +67,8 @@ def test_calibration_reproduces_its_measurements() -> None:
     )
 
 
-def test_model_md_is_the_first_calibration() -> None:
-    m = CostModel.model_md()
+def test_plain_transformers_prototype_is_the_first_calibration() -> None:
+    m = CostModel.plain_transformers_prototype()
     assert m.step_time(plan(prefill_tokens=500)) == pytest.approx(0.73)
     assert m.step_time(plan(decodes=1)) == pytest.approx(0.035)
     assert m.step_time(plan(decodes=8)) == pytest.approx(0.095)

@@ -293,13 +293,13 @@ def run(args: argparse.Namespace) -> int:
                 "prefill_per_token": cost.prefill_per_token,
                 "decode_per_request": cost.decode_per_request,
             },
-            "incremental_publication": [r.as_dict() for r in inc],
-            "single_flight": [r.as_dict() for r in sf],
-            "late_arrival": [r.as_dict() for r in late],
+            "incremental_publication": [r.to_dict() for r in inc],
+            "single_flight": [r.to_dict() for r in sf],
+            "late_arrival": [r.to_dict() for r in late],
             "partial_prefix": [
-                {"cost_regime": name, **r.as_dict()} for name, rows in part for r in rows
+                {"cost_regime": name, **r.to_dict()} for name, rows in part for r in rows
             ],
-            "findings": [f.as_dict() for f in finds],
+            "findings": [f.to_dict() for f in finds],
         }
         write_atomic(args.json, json.dumps(data, indent=2) + "\n")
     return 0

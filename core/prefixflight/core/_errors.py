@@ -5,7 +5,7 @@ Any other exception escaping from the core is a bug.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 
 __all__ = [
     "CapacityError",
@@ -41,11 +41,18 @@ class CapacityError(PrefixflightError):
     page is ever lost.
     """
 
-    def __init__(self, message: str, *, applied: int = 0) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        applied: int = 0,
+        evicted: Iterable[tuple[Hashable, int | None]] = (),
+        unused_pages: Iterable[int] = (),
+    ) -> None:
         super().__init__(message)
         self.applied = applied
-        self.evicted: list[tuple[Hashable, int | None]] = []
-        self.unused_pages: list[int] = []
+        self.evicted: list[tuple[Hashable, int | None]] = list(evicted)
+        self.unused_pages: list[int] = list(unused_pages)
 
 
 class TraceFormatError(UsageError):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar, cast
 
 from ._errors import ConfigError, UsageError
 
@@ -17,12 +17,15 @@ __all__ = [
     "INT64_MAX",
     "INT64_MIN",
     "assert_never",
+    "check_instance",
     "check_int",
     "check_ratio",
     "check_request_id",
     "check_time",
     "check_token_ids",
+    "instance_field",
     "int_field",
+    "optional_int_field",
     "ratio_field",
     "time_field",
 ]
@@ -83,11 +86,16 @@ def check_request_id(name: str, value: object) -> None:
 
 
 def check_token_ids(
-    name: str, tokens: Iterable[object], *, vocab_size: int | None = None
+    name: str,
+    tokens: Iterable[object],
+    *,
+    vocab_size: int | None = None,
+    minimum: int = INT64_MIN,
 ) -> tuple[int, ...]:
     """The token ids as a tuple of ints in the int64 range (and below ``vocab_size``).
 
-    Materialises ``tokens`` once, so a one-shot iterator is checked and kept, not consumed.
+    ``minimum=0`` for ids a model will index (a vocabulary starts at 0). Materialises
+    ``tokens`` once, so a one-shot iterator is checked and kept, not consumed.
     """
     if isinstance(tokens, (str, bytes)):
         raise UsageError(f"{name} must be a sequence of token ids, got {tokens!r}")
@@ -96,12 +104,26 @@ def check_token_ids(
     except TypeError:
         raise UsageError(f"{name} must be a sequence of token ids, got {tokens!r}") from None
     hi = INT64_MAX if vocab_size is None else vocab_size - 1
-    lo = INT64_MIN if vocab_size is None else 0
+    lo = max(minimum, INT64_MIN if vocab_size is None else 0)
+    if not out:
+        return ()
+    if set(map(type, out)) == {int}:  # the fast path: plain ints, checked in C
+        ints = cast("tuple[int, ...]", out)
+        if lo <= min(ints) and max(ints) <= hi:
+            return ints
     for i, t in enumerate(out):
         if isinstance(t, bool) or not isinstance(t, int) or not lo <= t <= hi:
-            where = "int64" if vocab_size is None else f"vocabulary [0, {vocab_size})"
+            where = f"[{lo}, {hi}]" if vocab_size is None else f"vocabulary [0, {vocab_size})"
             raise UsageError(f"{name}[{i}] = {t!r} is not a token id in the {where} range")
     return out  # type: ignore[return-value]  # every item was checked to be an int
+
+
+def check_instance(
+    name: str, value: object, cls: type[Any], *, error: type[UsageError] = ConfigError
+) -> None:
+    """``value`` must be an instance of ``cls`` (an enum member, a config object)."""
+    if not isinstance(value, cls):
+        raise error(f"{name} must be a {cls.__name__}, got {value!r}")
 
 
 def int_field(
@@ -111,6 +133,27 @@ def int_field(
 
     def check(_inst: object, attribute: Any, value: object) -> None:
         check_int(attribute.name, value, minimum=minimum, maximum=maximum, error=error)
+
+    return check
+
+
+def optional_int_field(
+    minimum: int | None = None, *, maximum: int | None = None, error: type[UsageError] = ConfigError
+) -> Validator:
+    """An attrs validator: ``None`` or `check_int` under the attribute's name."""
+
+    def check(_inst: object, attribute: Any, value: object) -> None:
+        if value is not None:
+            check_int(attribute.name, value, minimum=minimum, maximum=maximum, error=error)
+
+    return check
+
+
+def instance_field(cls: type[Any], *, error: type[UsageError] = ConfigError) -> Validator:
+    """An attrs validator: `check_instance` under the attribute's name."""
+
+    def check(_inst: object, attribute: Any, value: object) -> None:
+        check_instance(attribute.name, value, cls, error=error)
 
     return check
 

@@ -222,7 +222,7 @@ class KVEventPublisher:
 
     Hashes: `BlockHasher`'s 32-byte sha256 digests go out as vLLM's default int form (their
     last 8 bytes, big-endian) with ``hash_encoding="int"``, or whole with ``"bytes"``; its
-    crc64 ints go out unchanged. ``encoding``: ``"array"`` (positional, vLLM's format before
+    crc32x2 ints go out unchanged. ``encoding``: ``"array"`` (positional, vLLM's format before
     vLLM PR #42892, read by every llm-d release) or ``"map"`` (named events, after it).
     """
 

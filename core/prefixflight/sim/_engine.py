@@ -11,17 +11,18 @@ Cost model (`CostModel`)::
               + decode_per_request * (decodes in the step)
 
 Its defaults (`CostModel.calibrated`) were measured with prefixflight's own torch backend:
-``prefixflight bench calibrate --repetitions 9`` (2 torch threads, fp32 SmolLM2-135M-Instruct on
-`TransformersRunner`, OMP_WAIT_POLICY=PASSIVE), run on a 2-vCPU machine (AMD EPYC; other processes
-used 0.00 cores while it measured), fits ``step_overhead`` = 68.2 ms, ``prefill_per_token`` = 1.825
-ms and ``decode_per_request`` = 24.9 ms to the medians of cold prefills of 16-500 tokens and decode
-steps at batch 1, 2, 4 and 8 over 496 cached tokens (`CostModel.fit`). The linear model is a
-compromise: measured prefills cost 97 ms + 1.66 ms/token alone, and a batch-1 decode (76 ms) skips
-the padding mask that batches of 2 or more pay for (141 ms at batch 2, 267 ms at batch 8). It also
-ignores attention over cached context: it predicts 105 ms for a 20-token suffix after a reused
-480-token prefix, where 146 ms was measured. `CostModel.model_md` keeps the first calibration, from
-an earlier plain-transformers prototype (no paged pool, a faster CPU): 26.4 ms + 1.407 ms per
-prefill token + 8.57 ms per decode.
+``prefixflight bench calibrate --repetitions 9`` (2 torch threads, fp32 SmolLM2-135M-Instruct
+on `TransformersRunner`, OMP_WAIT_POLICY=PASSIVE), run on a
+2-vCPU machine (AMD EPYC; other processes used 0.00 cores while it measured), fits
+``step_overhead`` = 68.2 ms, ``prefill_per_token`` = 1.825 ms and ``decode_per_request`` =
+24.9 ms to the medians of cold prefills of 16-500 tokens and decode steps at batch 1, 2, 4 and
+8 over 496 cached tokens (`CostModel.fit`). The linear model is a compromise: measured
+prefills cost 97 ms + 1.66 ms/token alone, and a batch-1 decode (76 ms) skips the padding
+mask that batches of 2 or more pay for (141 ms at batch 2, 267 ms at batch 8). It also
+ignores attention over cached context: it predicts 105 ms for a 20-token suffix after a
+reused 480-token prefix, where 146 ms was measured. `CostModel.plain_transformers_prototype`
+keeps the first calibration, of a plain-transformers prototype without a paged pool on a
+faster CPU: 26.4 ms + 1.407 ms per prefill token + 8.57 ms per decode.
 """
 
 from __future__ import annotations
@@ -79,10 +80,11 @@ class CostModel:
 
         ``decode_per_request = (decode_batch8 - decode_batch1) / 7``, ``step_overhead =
         decode_batch1 - decode_per_request`` and ``prefill_per_token = (prefill_seconds -
-        step_overhead) / prefill_tokens``. The defaults are the step times that ``prefixflight bench
-        calibrate --repetitions 9`` fitted (a 2-vCPU machine, 2 torch threads, fp32; its last output
-        line prints these four values): 68.2 ms + 1.825 ms per prefill token + 24.9 ms per decode.
-        See the module docstring, and `model_md` for the earlier plain-transformers calibration.
+        step_overhead) / prefill_tokens``. The defaults are the step times that
+        ``prefixflight bench calibrate --repetitions 9`` fitted (a
+        2-vCPU machine, 2 torch threads, fp32; its last output line prints these four
+        values): 68.2 ms + 1.825 ms per prefill token + 24.9 ms per decode. See the module
+        docstring, and `plain_transformers_prototype` for the earlier calibration.
 
         ``overhead_share`` overrides the split of the batch-1 decode step between the fixed
         overhead and the per-request part (0: decode batching gains nothing; 1: a batch of
@@ -105,9 +107,10 @@ class CostModel:
         )
 
     @classmethod
-    def model_md(cls) -> CostModel:
-        """The first calibration, from an earlier prototype (plain transformers, no paged
-        pool): 500-token prefill 0.73 s, decode 35 ms at batch 1 and 95 ms at batch 8."""
+    def plain_transformers_prototype(cls) -> CostModel:
+        """The first calibration: SmolLM2-135M step times of a plain-transformers prototype
+        (no paged pool, a faster CPU than the defaults'): 500-token prefill 0.73 s, decode
+        35 ms at batch 1 and 95 ms at batch 8."""
         return cls.calibrated(
             prefill_seconds=0.73, prefill_tokens=500, decode_batch1=0.035, decode_batch8=0.095
         )

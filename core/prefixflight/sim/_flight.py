@@ -67,7 +67,7 @@ class FlightRow:
     computed_prompt_tokens: int
     """Prompt tokens computed by all requests together."""
 
-    def as_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         return attrs.asdict(self)
 
 
@@ -220,7 +220,7 @@ class FindingsRow:
     """AFTER_PREFILL has the best mean TTFT at 2, 4 and 8 requests."""
     ratios: dict[str, float]
 
-    def as_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         return attrs.asdict(self)
 
 

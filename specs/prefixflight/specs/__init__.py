@@ -1,27 +1,82 @@
 """prefixflight's executable specification: reference models, strategies, state machines.
 
-Needs the ``specs`` extra (Hypothesis). Point the machines at your own implementation::
+The machines and strategies need the ``specs`` extra (Hypothesis). Point the machines at
+your own implementation::
 
     run_state_machine_as_test(S3FIFOConformance.for_factory(MyS3FIFO))
+
+`FakeBackend` (a development backend for a host loop) and the reference models need only
+``prefixflight.core``: the modules that import Hypothesis are loaded on first use of one of
+their names, so ``from prefixflight.specs import FakeBackend`` works without it.
 """
 
-from ._cache_machine import CacheConformance
-from ._curves import LRUCurveConformance, ReferenceLRUCurve
-from ._flight import CoordinatorUnderTest, FlightCoordinatorMachine, FlightModel
-from ._machines import LRUConformance, PolicyConformance, S3FIFOConformance
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from ._backend import FakeBackend
 from ._reference import ReferenceLRU, ReferenceReplay, ReferenceS3FIFO, reference_replay
-from ._router import (
-    BurstRouterConformance,
-    ReferenceWindow,
-    WindowedRouter,
-    burst_configs,
-    chained_blocks,
-    reference_assign,
-    replica_loads,
-    route_batches,
-)
-from ._scheduler import FakeBackend, SchedulerFactory, SchedulerMachine
-from ._strategies import policy_configs, s3fifo_configs, small_ratios, trace_records, traces
+
+if TYPE_CHECKING:
+    from ._cache_machine import CacheConformance
+    from ._curves import LRUCurveConformance, ReferenceLRUCurve
+    from ._flight import CoordinatorUnderTest, FlightCoordinatorMachine, FlightModel
+    from ._machines import LRUConformance, PolicyConformance, S3FIFOConformance
+    from ._router import (
+        BurstRouterConformance,
+        ReferenceWindow,
+        WindowedRouter,
+        burst_configs,
+        chained_blocks,
+        reference_assign,
+        replica_loads,
+        route_batches,
+    )
+    from ._scheduler import SchedulerFactory, SchedulerMachine
+    from ._strategies import policy_configs, s3fifo_configs, small_ratios, trace_records, traces
+
+# name -> module of the names whose modules import Hypothesis (loaded on first use)
+_LAZY = {
+    "CacheConformance": "_cache_machine",
+    "LRUCurveConformance": "_curves",
+    "ReferenceLRUCurve": "_curves",
+    "CoordinatorUnderTest": "_flight",
+    "FlightCoordinatorMachine": "_flight",
+    "FlightModel": "_flight",
+    "LRUConformance": "_machines",
+    "PolicyConformance": "_machines",
+    "S3FIFOConformance": "_machines",
+    "BurstRouterConformance": "_router",
+    "ReferenceWindow": "_router",
+    "WindowedRouter": "_router",
+    "burst_configs": "_router",
+    "chained_blocks": "_router",
+    "reference_assign": "_router",
+    "replica_loads": "_router",
+    "route_batches": "_router",
+    "SchedulerFactory": "_scheduler",
+    "SchedulerMachine": "_scheduler",
+    "policy_configs": "_strategies",
+    "s3fifo_configs": "_strategies",
+    "small_ratios": "_strategies",
+    "trace_records": "_strategies",
+    "traces": "_strategies",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
 
 __all__ = [
     "BurstRouterConformance",

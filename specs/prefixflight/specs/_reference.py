@@ -110,8 +110,7 @@ class ReferenceS3FIFO(_Pinning):
             try:
                 evicted += self.access_one(h)
             except CapacityError as exc:
-                exc.applied = applied
-                raise
+                raise CapacityError(str(exc), applied=applied) from None
         return evicted
 
     def access_one(self, h: BlockHash) -> list[BlockHash]:

@@ -50,74 +50,11 @@ from prefixflight.core import (
     UsageError,
 )
 
+from ._backend import FakeBackend
+
 __all__ = ["FakeBackend", "SchedulerFactory", "SchedulerMachine"]
 
 SchedulerFactory = Callable[[SchedulerConfig, PrefixCache, FlightCoordinator], Any]
-
-
-class FakeBackend:
-    """Runs plans instantly; pages hold token ids; every read is checked.
-
-    ``sequences[rid]`` is the host's view of each request (prompt, then sampled tokens);
-    ``sampler(rid, position)`` picks the token sampled after ``position``.
-    """
-
-    def __init__(
-        self, num_pages: int, block_size: int, sampler: Callable[[RequestId, int], int]
-    ) -> None:
-        self.block_size = block_size
-        self.pages: list[list[int | None]] = [[None] * block_size for _ in range(num_pages)]
-        self.sequences: dict[RequestId, list[int]] = {}
-        self.sampler = sampler
-
-    def _read(self, pages: tuple[int, ...], pos: int) -> int | None:
-        return self.pages[pages[pos // self.block_size]][pos % self.block_size]
-
-    def _write(self, pages: tuple[int, ...], pos: int, token: int) -> None:
-        self.pages[pages[pos // self.block_size]][pos % self.block_size] = token
-
-    def _check_context(self, rid: RequestId, pages: tuple[int, ...], end: int) -> None:
-        seq = self.sequences[rid]
-        for pos in range(end):
-            got = self._read(pages, pos)
-            assert got == seq[pos], f"{rid!r} position {pos}: page holds {got!r}, not {seq[pos]}"
-
-    def run(self, plan: StepPlan) -> StepResult:
-        bs = self.block_size
-        written: dict[int, RequestId] = {}
-        for p in plan.prefills:
-            for pos in range(p.start, p.start + len(p.token_ids)):
-                written.setdefault(p.pages[pos // bs], p.request_id)
-        for d in plan.decodes:
-            written.setdefault(d.pages[d.position // bs], d.request_id)
-        works = [(p.request_id, p.pages) for p in plan.prefills]
-        works += [(d.request_id, d.pages) for d in plan.decodes]
-        for rid, pages in works:
-            for page in pages:
-                owner = written.get(page, rid)
-                assert owner == rid, f"page {page} written by {owner!r} is also used by {rid!r}"
-        sampled: list[tuple[RequestId, int]] = []
-        for p in plan.prefills:
-            seq = self.sequences[p.request_id]
-            self._check_context(p.request_id, p.pages, p.start)
-            assert list(p.token_ids) == seq[p.start : p.start + len(p.token_ids)]
-            for i, tok in enumerate(p.token_ids):
-                self._write(p.pages, p.start + i, tok)
-            if p.sample:
-                end = p.start + len(p.token_ids)
-                assert end == len(seq), "sample=True must end the prompt"
-                tok = self.sampler(p.request_id, end)
-                seq.append(tok)
-                sampled.append((p.request_id, tok))
-        for d in plan.decodes:
-            seq = self.sequences[d.request_id]
-            assert d.position == len(seq) - 1 and d.token_id == seq[-1]
-            self._check_context(d.request_id, d.pages, d.position)
-            self._write(d.pages, d.position, d.token_id)
-            tok = self.sampler(d.request_id, d.position + 1)
-            seq.append(tok)
-            sampled.append((d.request_id, tok))
-        return StepResult(step=plan.step, sampled=tuple(sampled))
 
 
 def _default_factory(
@@ -164,6 +101,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         # live request -> (prompt, namespace, max_new_tokens, stops on _STOP)
         self.live: dict[RequestId, tuple[tuple[int, ...], bytes, int, bool]] = {}
         self.aborting: set[RequestId] = set()  # aborted while the outstanding plan runs
+        self.added_tokens = 0  # prompt tokens of every accepted request
+        self.added = 0
         self.block_tokens: dict[BlockHash, tuple[int, ...]] = {}
         self.hashers = {ns: BlockHasher(_BLOCK, namespace=ns) for ns in (b"a", b"b")}
 
@@ -291,6 +230,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert state in (RequestState.QUEUED, RequestState.WAITING)
         self.live[rid] = (prompt, ns, max_new, stop)
         self.backend.sequences[rid] = list(prompt)
+        self.added += 1
+        self.added_tokens += len(prompt)
 
     @precondition(lambda self: bool(self.live))
     @rule(data=st.data(), rid=st.sampled_from(_IDS), max_new=st.integers(1, 3))
@@ -436,6 +377,16 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert page is not None
             held = tuple(self.backend.pages[page])
             assert held == self.block_tokens[b], f"cached page {page} holds {held}"
+
+    @invariant()
+    def prefix_counters_add_up(self) -> None:
+        """One lookup per admitted request: queries and hits never exceed what arrived."""
+        if self.sched is None:
+            return
+        stats = self.sched.stats
+        assert stats.prefix_queries <= self.added
+        assert stats.prefix_query_tokens <= self.added_tokens
+        assert stats.cached_tokens <= stats.prefix_query_tokens
 
     @invariant()
     def requests_agree_with_coordinator(self) -> None:

@@ -270,8 +270,9 @@ class PrefixCache:
         used.difference_update(p for p in taken_before.values() if p is not None)
         unused = [p for p in pages if p not in used]
         if error is not None:
-            error.unused_pages = unused
-            raise error
+            raise CapacityError(
+                str(error), applied=error.applied, evicted=evicted, unused_pages=unused
+            ) from None
         return evicted, unused
 
     def evict_many(self, count: int) -> list[tuple[BlockHash, int | None]]:
@@ -434,9 +435,9 @@ class PrefixCache:
             elif page is not None:
                 unused.append(page)
         if error is not None:
-            error.evicted = list(out)
-            error.unused_pages = unused
-            raise error
+            raise CapacityError(
+                str(error), applied=applied, evicted=out, unused_pages=unused
+            ) from None
         return out, unused
 
     def _access_with_events(
@@ -457,9 +458,7 @@ class PrefixCache:
             try:
                 evicted = policy.access((b,))
             except CapacityError as exc:
-                exc.applied = i
-                exc.evicted = list(out)
-                raise
+                raise CapacityError(str(exc), applied=i, evicted=out) from None
             if evicted:
                 out.extend(self._forget(evicted))
                 if sink is not None:

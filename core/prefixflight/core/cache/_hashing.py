@@ -26,7 +26,8 @@ __all__ = ["BlockHash", "BlockHasher", "HashAlgorithm"]
 BlockHash: TypeAlias = Hashable
 """A block's identity: ``bytes`` from `BlockHasher`, ``int`` in Mooncake traces."""
 
-HashAlgorithm: TypeAlias = Literal["sha256", "crc64"]
+HashAlgorithm: TypeAlias = Literal["sha256", "crc32x2"]
+"""``"crc64"`` is still accepted as a deprecated alias of ``"crc32x2"``."""
 
 _SEED_TAG: Final = b"prefixflight/block-hash/v1\x00"
 _TOKEN_BYTES: Final = 8
@@ -47,6 +48,21 @@ def _token_bytes(token_ids: Sequence[int]) -> bytes:
     return buf.tobytes()
 
 
+def _algorithm(value: Literal["sha256", "crc32x2", "crc64"]) -> HashAlgorithm:
+    """``"crc64"`` (the former name of ``"crc32x2"``) -> ``"crc32x2"``, with a warning."""
+    if value == "crc64":
+        import warnings
+
+        warnings.warn(
+            'BlockHasher(algorithm="crc64") is deprecated: the algorithm is two chained '
+            'CRC-32s, now named "crc32x2"',
+            DeprecationWarning,
+            stacklevel=4,
+        )
+        return "crc32x2"
+    return value  # anything else: the validator names it
+
+
 def _as_bytes(namespace: str | bytes) -> bytes:
     return namespace.encode("utf-8") if isinstance(namespace, str) else bytes(namespace)
 
@@ -57,8 +73,9 @@ class BlockHasher:
     """Token ids -> tuple of chained block hashes.
 
     ``algorithm="sha256"`` (the default) gives 32-byte digests and is collision-safe.
-    ``algorithm="crc64"`` chains two CRC-32s into a 64-bit int: faster, but an adversary can
-    construct collisions, so never use it where tenants share one cache.
+    ``algorithm="crc32x2"`` chains two CRC-32s into a 64-bit int (it is not a CRC-64):
+    faster, but an adversary can construct collisions, so never use it where tenants share
+    one cache. ``"crc64"``, its former name, still works and warns (`DeprecationWarning`).
 
     By default only full blocks are hashed (engines reuse only full pages);
     ``include_partial=True`` also hashes the trailing partial block, as Mooncake traces and
@@ -67,7 +84,7 @@ class BlockHasher:
 
     block_size: int = attrs.field(default=16)
     namespace: str | bytes = attrs.field(default=b"")
-    algorithm: HashAlgorithm = attrs.field(default="sha256")
+    algorithm: HashAlgorithm = attrs.field(default="sha256", converter=_algorithm)
     include_partial: bool = attrs.field(default=False)
     _seed: bytes = attrs.field(init=False, repr=False, eq=False)
 
@@ -84,10 +101,10 @@ class BlockHasher:
 
     @algorithm.validator
     def _check_algorithm(self, _a: object, value: object) -> None:
-        if value not in ("sha256", "crc64"):
+        if value not in ("sha256", "crc32x2"):
             from .._errors import ConfigError
 
-            raise ConfigError(f"algorithm must be 'sha256' or 'crc64', got {value!r}")
+            raise ConfigError(f"algorithm must be 'sha256' or 'crc32x2', got {value!r}")
 
     def __attrs_post_init__(self) -> None:
         ns = _as_bytes(self.namespace)
@@ -148,5 +165,5 @@ class BlockHasher:
         if isinstance(parent, bool) or not isinstance(parent, int) or not 0 <= parent < 2**64:
             from .._errors import UsageError
 
-            raise UsageError(f"parent must be a 64-bit crc64 block hash, got {parent!r}")
+            raise UsageError(f"parent must be a 64-bit crc32x2 block hash, got {parent!r}")
         return parent

@@ -9,24 +9,14 @@ completed full blocks (incremental publication), tells the `FlightCoordinator` a
 finished prefills and requests, admits released followers, and frees the pages of finished
 requests.
 
-Page rules:
-
-- At admission a request gets its whole page table at once: the cached pages of the
-  longest resident prefix it may reuse, then private pages for every other position it will
-  ever write (``ceil((prompt + max_new_tokens - 1) / block_size)`` pages in all), so a running
-  request never waits for a page and admission is the only place that can run out.
-- Reuse is clamped to ``(prompt_tokens - 1) // block_size`` blocks: the last prompt token is
-  always computed (its logits start decoding) and is never written into a shared page.
-- Every cached block a running request depends on is pinned, so it is never evicted; a
-  request's private pages are never shared until it publishes them. When the block is
-  already cached (another request published it first), the request keeps its own page
-  private (no double registration) and frees it when it ends.
-- Eviction is chain-aware: when a block leaves the cache, its cached descendants are
-  unreachable (a lookup stops at the first miss), so they are removed too and their pages
-  freed (counted as ``orphans_evicted``). Pins always cover a whole chain prefix, so an
-  evicted block never has a pinned descendant.
-- When no page can be freed the request at the head of the queue waits (backpressure,
-  first come first served); nothing else changes.
+Admission gives a request its whole page table at once (``ceil((prompt + max_new_tokens - 1)
+/ block_size)`` pages: the cached pages of the longest resident prefix it may reuse, then
+private pages), so a running request never waits for a page and admission is the only place
+that can run out; then the request at the head of the queue waits (backpressure, first come
+first served) and nothing else changes. Reuse is clamped to ``(prompt_tokens - 1) //
+block_size`` blocks: the last prompt token is always computed (its logits start decoding)
+and is never written into a shared page. Which pages, pins and chain-aware eviction are the
+`PagePool`'s (``_pages.py``); this module decides when: admission and step planning.
 """
 
 from __future__ import annotations
@@ -38,8 +28,18 @@ from typing import final
 
 import attrs
 
-from .._errors import CapacityError, ConfigError, UsageError
-from .._validate import assert_never, check_int
+from .._errors import ConfigError, UsageError
+from .._validate import (
+    assert_never,
+    check_instance,
+    check_int,
+    check_request_id,
+    check_time,
+    check_token_ids,
+    instance_field,
+    int_field,
+    optional_int_field,
+)
 from ..cache._cache import PrefixCache
 from ..cache._hashing import BlockHash, BlockHasher
 from ..cache._policies import LRU
@@ -61,6 +61,7 @@ from ._coordinator import (
     Tick,
     Wait,
 )
+from ._pages import PagePool, pages_for
 from ._plan import DecodeWork, PrefillWork, RequestId, StepPlan, StepResult
 
 __all__ = [
@@ -88,11 +89,19 @@ class PublishMode(enum.Enum):
 
 
 class Role(enum.Enum):
-    """A request's part in single-flight coordination."""
+    """A request's part in single-flight coordination, as its `RequestReport` tells it."""
 
     LEADER = "leader"
+    """It computed a prompt that at least one other request waited for in its flight (a
+    follower that arrived while it led, or one still waiting when it was promoted)."""
     FOLLOWER = "follower"
+    """It waited in a flight for another request's prompt (then reused it, or was released
+    by a timeout, or promoted: a promoted follower that nobody waited for stays a follower
+    of the flight it joined)."""
     INDEPENDENT = "independent"
+    """Nobody waited for it and it waited for nobody. This includes a request the
+    coordinator made a flight leader (`Lead`) that no follower ever joined: `Lead` is the
+    decision at arrival (a follower may still come), the role is what happened."""
 
 
 class RequestState(enum.Enum):
@@ -120,21 +129,21 @@ class SchedulerConfig:
 
     ``max_batch_tokens``: tokens per step (prefill chunk tokens + one per decode); must be at
     least ``max_running`` so every running request can decode in every step.
+    ``vocab_size``: if given, every prompt, stop and sampled token id must be below it
+    (checked before anything changes); otherwise token ids are ints in ``[0, 2**63)``.
     """
 
-    num_pages: int
-    block_size: int = 16
-    max_batch_tokens: int = 512
-    max_running: int = 64
-    publish: PublishMode = PublishMode.PER_STEP
+    num_pages: int = attrs.field(validator=int_field(1))
+    block_size: int = attrs.field(default=16, validator=int_field(1))
+    max_batch_tokens: int = attrs.field(default=512, validator=int_field(1))
+    max_running: int = attrs.field(default=64, validator=int_field(1))
+    publish: PublishMode = attrs.field(
+        default=PublishMode.PER_STEP, validator=instance_field(PublishMode)
+    )
+    vocab_size: int | None = attrs.field(default=None, validator=optional_int_field(1))
 
     def __attrs_post_init__(self) -> None:
-        check_int("num_pages", self.num_pages, minimum=1)
-        check_int("block_size", self.block_size, minimum=1)
-        check_int("max_running", self.max_running, minimum=1)
         check_int("max_batch_tokens", self.max_batch_tokens, minimum=self.max_running)
-        if not isinstance(self.publish, PublishMode):
-            raise ConfigError(f"publish must be a PublishMode, got {self.publish!r}")
 
 
 @attrs.frozen(kw_only=True)
@@ -148,6 +157,8 @@ class RequestReport:
 
     request_id: RequestId
     role: Role
+    """What the request did in single flight (see `Role`: a leader nobody followed reports
+    `Role.INDEPENDENT`)."""
     finish_reason: FinishReason
     prompt_tokens: int
     cached_tokens: int
@@ -203,6 +214,26 @@ class SchedulerStats:
     """Steps in which the head of the queue could not get pages (backpressure)."""
     finished: int = 0
     aborted: int = 0
+    prefix_queries: int = 0
+    """Requests looked up in the prefix cache (one lookup per admitted request)."""
+    prefix_query_tokens: int = 0
+    """Prompt tokens of those lookups; ``cached_tokens`` of them were hits. Together they are
+    the engine's prefix-cache traffic (`PrefixCache.stats` counts only replayed requests)."""
+
+    @property
+    def prefix_hit_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache at admission (``cached_tokens``)."""
+        return self.cached_tokens
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """``prefix_hit_tokens / prefix_query_tokens`` (0.0 before any lookup)."""
+        q = self.prefix_query_tokens
+        return self.cached_tokens / q if q else 0.0
+
+    def to_dict(self) -> dict[str, int]:
+        """Every counter by name (e.g. for metrics exporters)."""
+        return attrs.asdict(self)
 
 
 @attrs.frozen(kw_only=True)
@@ -219,64 +250,32 @@ class PageUsage:
     """Pages owned by running requests and not in the cache."""
 
 
-@final
+@attrs.define(eq=False, slots=True)
 class _Request:
-    __slots__ = (
-        "admitted_at",
-        "arrived_at",
-        "blocks",
-        "cached",
-        "first_token_at",
-        "first_token_step",
-        "flight_wait",
-        "hashes",
-        "id",
-        "key",
-        "max_new",
-        "namespace",
-        "num_computed",
-        "output",
-        "pages",
-        "pinned",
-        "private",
-        "prompt",
-        "role",
-        "state",
-        "stop",
-    )
-
-    def __init__(
-        self,
-        request_id: RequestId,
-        prompt: tuple[int, ...],
-        namespace: bytes,
-        max_new: int,
-        stop: frozenset[int],
-        now: float,
-        blocks: tuple[BlockHash, ...],
-        key: FlightKey,
-    ) -> None:
-        self.id = request_id
-        self.prompt = prompt
-        self.namespace = namespace
-        self.max_new = max_new
-        self.stop = stop
-        self.arrived_at = now
-        self.blocks = blocks  # full prompt blocks
-        self.key = key
-        self.hashes: list[BlockHash] = list(blocks)  # prompt blocks, then decode blocks
-        self.role = Role.INDEPENDENT
-        self.state = RequestState.QUEUED
-        self.flight_wait = 0.0
-        self.admitted_at: float | None = None
-        self.first_token_at: float | None = None
-        self.first_token_step: int | None = None
-        self.pages: tuple[int, ...] = ()
-        self.private: set[int] = set()
-        self.pinned: list[BlockHash] = []  # a chain prefix of hashes, pinned in the cache
-        self.cached = 0  # reused prompt tokens
-        self.num_computed = 0  # positions whose KV is in the pages
-        self.output: list[int] = []
+    id: RequestId
+    prompt: tuple[int, ...]
+    namespace: bytes
+    max_new: int
+    stop: frozenset[int]
+    arrived_at: float
+    blocks: tuple[BlockHash, ...]  # full prompt blocks
+    key: FlightKey
+    hashes: list[BlockHash]  # prompt blocks, then decode blocks as they are hashed
+    role: Role = Role.INDEPENDENT  # the coordinator's: LEADER after Lead or Promote
+    followed: bool = False  # a follower waited in the flight this request led
+    waited: bool = False  # it waited in a flight
+    flight: int | None = None  # the flight it leads
+    state: RequestState = RequestState.QUEUED
+    flight_wait: float = 0.0
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    first_token_step: int | None = None
+    pages: tuple[int, ...] = ()
+    private: set[int] = attrs.Factory(set)
+    pinned: list[BlockHash] = attrs.Factory(list)  # a chain prefix of hashes, pinned
+    cached: int = 0  # reused prompt tokens
+    num_computed: int = 0  # positions whose KV is in the pages
+    output: list[int] = attrs.Factory(list)
 
     @property
     def prompt_done(self) -> bool:
@@ -292,9 +291,19 @@ class _Request:
         return [*self.prompt[start:], *self.output[: end - n]]
 
 
-def _pages_for(num_prompt: int, max_new: int, block_size: int) -> int:
-    positions = num_prompt + max_new - 1  # the last sampled token is never computed
-    return -(-positions // block_size)
+@attrs.define(eq=False, slots=True)
+class _Counters:
+    """The scheduler's share of `SchedulerStats` (same names; the pool counts the rest)."""
+
+    steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    cached_tokens: int = 0
+    admission_stalls: int = 0
+    finished: int = 0
+    aborted: int = 0
+    prefix_queries: int = 0
+    prefix_query_tokens: int = 0
 
 
 @final
@@ -311,18 +320,16 @@ class Scheduler:
     __slots__ = (
         "_aborting",
         "_cache",
-        "_children",
         "_config",
         "_coordinator",
         "_flight_waiting",
-        "_free",
         "_hashers",
+        "_leaders",
         "_live",
         "_next_step",
         "_now",
         "_outstanding",
-        "_parent",
-        "_pins",
+        "_pool",
         "_queue",
         "_running",
         "_stats",
@@ -335,8 +342,7 @@ class Scheduler:
         cache: PrefixCache | None = None,
         coordinator: FlightCoordinator | None = None,
     ) -> None:
-        if not isinstance(config, SchedulerConfig):
-            raise ConfigError(f"config must be a SchedulerConfig, got {config!r}")
+        check_instance("config", config, SchedulerConfig)
         if cache is None:
             cache = PrefixCache(LRU(config.num_pages), config.block_size)
         elif cache.block_size != config.block_size:
@@ -362,10 +368,8 @@ class Scheduler:
         self._config = config
         self._cache = cache
         self._coordinator = coordinator
-        self._free: list[int] = list(range(config.num_pages - 1, -1, -1))
-        self._pins: dict[BlockHash, int] = {}  # mirror of the pins this scheduler holds
-        self._parent: dict[BlockHash, BlockHash | None] = {}  # cached block -> parent
-        self._children: dict[BlockHash, set[BlockHash]] = {}
+        self._pool = PagePool(config.num_pages, cache)
+        self._leaders: dict[int, _Request] = {}  # flight id -> its leader, until the leader ends
         self._hashers: dict[bytes, BlockHasher] = {}
         self._queue: deque[_Request] = deque()
         self._flight_waiting: dict[RequestId, _Request] = {}
@@ -392,7 +396,10 @@ class Scheduler:
 
     @property
     def stats(self) -> SchedulerStats:
-        return self._stats.freeze()
+        return SchedulerStats(
+            **attrs.asdict(self._stats, recurse=False),
+            **attrs.asdict(self._pool.counters, recurse=False),
+        )
 
     @property
     def now(self) -> float:
@@ -430,9 +437,9 @@ class Scheduler:
         )
         return PageUsage(
             total=self._config.num_pages,
-            free=len(self._free),
+            free=self._pool.free_pages,
             cached=len(self._cache),
-            pinned=len(self._pins),
+            pinned=self._pool.pinned_blocks,
             private=private,
         )
 
@@ -452,28 +459,29 @@ class Scheduler:
         ``namespace`` separates tenants (model, LoRA, cache salt): different namespaces never
         share blocks or flights.
         """
-        if isinstance(request_id, bool) or not isinstance(request_id, (int, str)):
-            raise UsageError(f"request_id must be an int or a str, got {request_id!r}")
+        check_request_id("request_id", request_id)
         if request_id in self._live or request_id in self._aborting:
             raise UsageError(f"duplicate request id {request_id!r}: it is already live")
-        prompt = tuple(prompt_token_ids)
+        cfg = self._config
+        vocab = cfg.vocab_size
+        where = f"request {request_id!r}: "
+        prompt = check_token_ids(
+            where + "prompt_token_ids", prompt_token_ids, vocab_size=vocab, minimum=0
+        )
         if not prompt:
             raise UsageError(f"request {request_id!r} has an empty prompt")
-        if set(map(type, prompt)) != {int} or min(prompt) < 0:
-            bad = next(t for t in prompt if type(t) is not int or t < 0)
-            raise UsageError(f"request {request_id!r}: token ids must be ints >= 0, got {bad!r}")
-        check_int("max_new_tokens", max_new_tokens, minimum=1)
-        stop = frozenset(stop_token_ids)
-        if any(type(t) is not int for t in stop):
-            raise UsageError(f"request {request_id!r}: stop token ids must be ints, got {stop!r}")
-        self._check_now(now)
-        bs = self._config.block_size
-        need = _pages_for(len(prompt), max_new_tokens, bs)
-        if need > self._config.num_pages:
+        check_int("max_new_tokens", max_new_tokens, minimum=1, error=UsageError)
+        stop = frozenset(
+            check_token_ids(where + "stop_token_ids", stop_token_ids, vocab_size=vocab, minimum=0)
+        )
+        now = self._check_now(now)
+        bs = cfg.block_size
+        need = pages_for(len(prompt), max_new_tokens, bs)
+        if need > cfg.num_pages:
             raise UsageError(
                 f"request {request_id!r} needs {need} pages "
                 f"({len(prompt)} prompt + {max_new_tokens} new tokens) but the pool has "
-                f"{self._config.num_pages}"
+                f"{cfg.num_pages}"
             )
         if not isinstance(namespace, (str, bytes)):
             raise UsageError(
@@ -485,24 +493,30 @@ class Scheduler:
             hasher = self._hashers[ns] = BlockHasher(bs, namespace=ns)
         blocks = hasher.hash_tokens(prompt)
         key = FlightKey.of(prompt, ns)
-        req = _Request(request_id, prompt, ns, max_new_tokens, stop, float(now), blocks, key)
+        req = _Request(request_id, prompt, ns, max_new_tokens, stop, now, blocks, key, list(blocks))
         partial = self._coordinator.config.min_shared_blocks is not None
         decisions = self._coordinator.handle(
             Arrived(request_id=request_id, key=key, now=now, blocks=blocks if partial else ())
         )
-        self._now = float(now)
+        self._now = now
         self._live[request_id] = req
         for d in decisions:
             match d:
                 case Lead() if d.request_id == request_id:
                     req.role = Role.LEADER
+                    req.flight = d.flight
+                    self._leaders[d.flight] = req
                     self._queue.append(req)
                 case Independent() if d.request_id == request_id:
                     self._queue.append(req)
                 case Wait() if d.request_id == request_id:
                     req.role = Role.FOLLOWER
+                    req.waited = True
                     req.state = RequestState.WAITING
                     self._flight_waiting[request_id] = req
+                    leader = self._leaders.get(d.flight)
+                    if leader is not None:
+                        leader.followed = True
                 case _:
                     self._apply(d)
         return req.state
@@ -513,11 +527,12 @@ class Scheduler:
         req = self._live.get(request_id)
         if req is None:
             raise UsageError(f"unknown request id {request_id!r}")
-        self._check_now(now)
+        now = self._check_now(now)
         decisions = self._coordinator.handle(Aborted(request_id=request_id, now=now))
-        self._now = float(now)
+        self._now = now
         self._apply_all(decisions)  # first: a timeout may have released this very request
         del self._live[request_id]
+        self._forget_flight(req)
         match req.state:
             case RequestState.WAITING:
                 del self._flight_waiting[request_id]
@@ -542,9 +557,9 @@ class Scheduler:
             raise UsageError(
                 f"step {self._outstanding.step} is outstanding: report its result first"
             )
-        self._check_now(now)
+        now = self._check_now(now)
         self._apply_all(self._coordinator.handle(Tick(now=now)))
-        self._now = float(now)
+        self._now = now
         cfg = self._config
         budget = cfg.max_batch_tokens
         decodes: list[DecodeWork] = []
@@ -599,9 +614,8 @@ class Scheduler:
             rid, tok = pair
             if rid in sampled:
                 raise UsageError(f"step {plan.step}: request {rid!r} sampled twice")
-            if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
-                raise UsageError(f"step {plan.step}: request {rid!r} sampled {tok!r}")
             sampled[rid] = tok
+        self._check_sampled(plan.step, result.sampled)
         expected = {p.request_id for p in plan.prefills if p.sample}
         expected.update(d.request_id for d in plan.decodes)
         if sampled.keys() != expected:
@@ -611,8 +625,8 @@ class Scheduler:
                 f"step {plan.step}: sampled ids do not match the plan "
                 f"(missing {missing[:3]}, unexpected {extra[:3]})"
             )
-        self._check_now(now)
-        self._now = float(now)
+        now = self._check_now(now)
+        self._now = now
         self._outstanding = None
         stats = self._stats
         stats.steps += 1
@@ -631,7 +645,7 @@ class Scheduler:
             if p.sample:
                 tok = sampled[p.request_id]
                 req.output.append(tok)
-                req.first_token_at = float(now)
+                req.first_token_at = now
                 req.first_token_step = plan.step
                 tokens.append((req.id, tok))
                 prefill_done.append(req)
@@ -678,6 +692,7 @@ class Scheduler:
             self._apply_all(coord.handle(Finished(request_id=req.id, now=now)))
             del running[req.id]
             del self._live[req.id]
+            self._forget_flight(req)
             self._end(req)
             stats.finished += 1
             reports.append(self._report(req, reason, plan.step))
@@ -702,57 +717,35 @@ class Scheduler:
         return n
 
     def _admit(self, req: _Request, now: float) -> bool:
-        """Give ``req`` its page table, evicting unpinned cached blocks if needed; False
-        (and nothing changed) if not enough pages can be freed."""
-        cache = self._cache
+        """Give ``req`` its page table; False (and nothing changed) if the pool cannot."""
         bs = self._config.block_size
         n = len(req.prompt)
-        k = min(cache.lookup(req.blocks), (n - 1) // bs)
-        hit = req.blocks[:k]
-        need = _pages_for(n, req.max_new, bs) - k
-        self._pin(hit)
-        evictable = len(cache) - len(self._pins)
-        if len(self._free) + evictable < need:
-            self._unpin(hit)
+        got = self._pool.allocate(req.blocks, (n - 1) // bs, pages_for(n, req.max_new, bs))
+        if got is None:
             return False
-        while len(self._free) < need:
-            victim = cache.evict()
-            assert victim is not None, "an unpinned block must be evictable"
-            self._reclaim((victim,))
-        # a reuse refreshes the blocks' recency, deepest first (all resident: no eviction)
-        cache.publish(hit[::-1])
-        own = [self._free.pop() for _ in range(need)]
-        cached_pages = []
-        for h in hit:
-            page = cache.page(h)
-            assert page is not None
-            cached_pages.append(page)
-        req.pages = (*cached_pages, *own)
-        req.private = set(own)
-        req.pinned = list(hit)
+        pages, k = got
+        req.pages = pages
+        req.private = set(pages[k:])
+        req.pinned = list(req.blocks[:k])
         req.cached = k * bs
         req.num_computed = k * bs
-        req.admitted_at = float(now)
+        req.admitted_at = now
         req.state = RequestState.RUNNING
         self._running[req.id] = req
-        self._stats.cached_tokens += k * bs
+        stats = self._stats
+        stats.cached_tokens += k * bs
+        stats.prefix_queries += 1
+        stats.prefix_query_tokens += n
         return True
 
     def _publish(self, req: _Request, upto: int) -> None:
-        """Publish ``req``'s blocks up to ``upto`` (exclusive) and pin them.
-
-        Deepest first, so that a parent is always accessed after its children: recency-based
-        policies then evict a chain from its tail, never a parent before its descendants.
-        If a block cannot be admitted (every victim pinned, or a policy that keeps nothing),
-        the deeper blocks of this call are taken back out (they would be unreachable) and
-        the shallower ones are tried again.
-        """
+        """Publish ``req``'s blocks up to ``upto`` (exclusive), hashing new decode blocks
+        first; the pool pins them and keeps what it can (see `PagePool.publish`)."""
         start = len(req.pinned)
         if upto <= start:
             return
-        cache = self._cache
-        bs = self._config.block_size
         if upto > len(req.hashes):  # hash only the new blocks, continuing the chain
+            bs = self._config.block_size
             hasher = self._hashers[req.namespace]
             have = len(req.hashes)
             req.hashes.extend(
@@ -760,111 +753,23 @@ class Scheduler:
                     req.tokens(have * bs, upto * bs), parent=req.hashes[-1] if have else None
                 )
             )
-        stats = self._stats
-        done: list[tuple[BlockHash, int | None]] = []  # (block, own page or None if duplicate)
-        for j in range(upto - 1, start - 1, -1):
-            h = req.hashes[j]
-            if h in cache:  # another request published it first: keep our page private
-                cache.publish((h,))
-                self._pin((h,))
-                done.append((h, None))
-                continue
-            page = req.pages[j]
-            parent = req.hashes[j - 1] if j else None
-            try:
-                evicted = cache.publish(
-                    (h,), (page,), parent=parent, token_ids=req.tokens(j * bs, (j + 1) * bs)
-                )
-            except CapacityError:
-                admitted = False
-            else:
-                self._reclaim(evicted)
-                admitted = cache.page(h) == page
-            if not admitted:
-                self._take_back(req, done)
-                self._publish(req, j)
-                return
-            self._pin((h,))
-            done.append((h, page))
-            self._parent[h] = parent
-            if parent is not None:
-                self._children.setdefault(parent, set()).add(h)
-        for h, own in reversed(done):
-            req.pinned.append(h)
-            if own is None:
-                stats.duplicate_blocks += 1
-            else:
-                req.private.discard(own)
-                stats.published_blocks += 1
-
-    def _take_back(self, req: _Request, done: list[tuple[BlockHash, int | None]]) -> None:
-        """Undo a partial deepest-first publication: the blocks go back to the request."""
-        cache = self._cache
-        for h, page in done:
-            # never a duplicate: a cached block's parent is cached too, so the block that
-            # failed (not cached) has no cached descendant
-            assert page is not None
-            self._unpin((h,))
-            assert h not in self._pins and not self._children.get(h)
-            removed = cache.remove(h)
-            assert removed == page
-            parent = self._parent.pop(h, None)
-            if parent is not None:
-                siblings = self._children[parent]
-                siblings.discard(h)
-                if not siblings:
-                    del self._children[parent]
-
-    def _reclaim(self, evicted: Iterable[tuple[BlockHash, int | None]]) -> None:
-        """Free the pages of evicted blocks and remove their (now unreachable) descendants."""
-        cache = self._cache
-        free = self._free
-        stats = self._stats
-        for block, page in evicted:
-            assert page is not None, "every cached block holds a page"
-            stats.evicted_blocks += 1
-            free.append(page)
-            parent = self._parent.pop(block, None)
-            if parent is not None:
-                siblings = self._children[parent]
-                siblings.discard(block)
-                if not siblings:
-                    del self._children[parent]
-            stack = list(self._children.pop(block, ()))
-            while stack:
-                child = stack.pop()
-                del self._parent[child]
-                stack.extend(self._children.pop(child, ()))
-                if child not in cache:
-                    continue  # evicted by the policy in this same batch: freed in its turn
-                assert child not in self._pins, "a pinned block lost its parent"
-                orphan_page = cache.remove(child)
-                assert orphan_page is not None
-                free.append(orphan_page)
-                stats.orphans_evicted += 1
-
-    def _pin(self, blocks: Sequence[BlockHash]) -> None:
-        self._cache.pin(blocks)
-        pins = self._pins
-        for b in blocks:
-            pins[b] = pins.get(b, 0) + 1
-
-    def _unpin(self, blocks: Sequence[BlockHash]) -> None:
-        self._cache.unpin(blocks)
-        pins = self._pins
-        for b in blocks:
-            c = pins[b]
-            if c == 1:
-                del pins[b]
-            else:
-                pins[b] = c - 1
+        kept = self._pool.publish(req.hashes, req.pages, start, upto, req.tokens)
+        req.pinned.extend(req.hashes[start : start + len(kept)])
+        private = req.private
+        for page in kept:
+            if page is not None:
+                private.discard(page)
 
     def _end(self, req: _Request) -> None:
         """Unpin the request's blocks and free its private pages."""
-        self._unpin(req.pinned)
-        self._free.extend(sorted(req.private, reverse=True))
+        self._pool.release(req.pinned, req.private)
         req.private = set()
         req.pinned = []
+
+    def _forget_flight(self, req: _Request) -> None:
+        """``req`` ended: it leads no flight any more."""
+        if req.flight is not None and self._leaders.get(req.flight) is req:
+            del self._leaders[req.flight]
 
     # -- internals: coordinator decisions --------------------------------------------------
     def _apply_all(self, decisions: Iterable[FlightDecision]) -> None:
@@ -883,6 +788,10 @@ class Scheduler:
                 req = self._flight_waiting.pop(d.request_id)
                 req.flight_wait = self._coordinator.now - req.arrived_at
                 req.role = Role.LEADER
+                req.flight = d.flight
+                self._leaders[d.flight] = req
+                _, waiting = self._coordinator.flights().get(d.flight, (None, ()))
+                req.followed = bool(waiting)
                 req.state = RequestState.QUEUED
                 self._queue.appendleft(req)  # it has waited longest: it goes first
             case Lead() | Wait() | Independent():
@@ -899,17 +808,34 @@ class Scheduler:
             d.request_id == request_id for d in plan.decodes
         )
 
-    def _check_now(self, now: float) -> None:
-        if isinstance(now, bool) or not isinstance(now, (int, float)) or now != now:
-            raise UsageError(f"now must be a real number, got {now!r}")
-        if now < self._now or now < self._coordinator.now:
-            raise UsageError(f"time went backwards: now={now!r} < {self._now!r}")
+    def _check_now(self, now: object) -> float:
+        return check_time("now", now, after=max(self._now, self._coordinator.now))
+
+    def _check_sampled(self, step: int, sampled: tuple[tuple[RequestId, int], ...]) -> None:
+        """Every sampled id is a token id (in the vocabulary, if known), before any change."""
+        vocab = self._config.vocab_size
+        try:
+            check_token_ids("sampled", [tok for _, tok in sampled], vocab_size=vocab, minimum=0)
+        except UsageError as exc:
+            for rid, tok in sampled:  # name the request, not only the index
+                try:
+                    check_token_ids("sampled", (tok,), vocab_size=vocab, minimum=0)
+                except UsageError:
+                    raise UsageError(f"step {step}: request {rid!r}: {exc}") from None
+            raise  # pragma: no cover  # one of them failed above
+
+    @staticmethod
+    def _role(req: _Request) -> Role:
+        """What the request did (see `Role`), not only what the coordinator decided."""
+        if req.followed:
+            return Role.LEADER
+        return Role.FOLLOWER if req.waited else Role.INDEPENDENT
 
     def _report(self, req: _Request, reason: FinishReason, step: int | None) -> RequestReport:
         computed = min(req.num_computed, len(req.prompt)) - req.cached
         return RequestReport(
             request_id=req.id,
-            role=req.role,
+            role=self._role(req),
             finish_reason=reason,
             prompt_tokens=len(req.prompt),
             cached_tokens=req.cached,
@@ -929,43 +855,18 @@ class Scheduler:
         cache = self._cache
         cache.check_invariants()
         self._coordinator.check_invariants()
-        policy = cache.policy
-        resident = policy.resident()
-        cached_pages: dict[int, BlockHash] = {}
-        for b in resident:
-            page = cache.page(b)
-            assert page is not None, f"cached block {b!r} has no page"
-            assert page not in cached_pages, f"page {page} is held by two blocks"
-            cached_pages[page] = b
-        owners: dict[int, RequestId] = {}
         live = [*self._running.values(), *self._aborting.values()]
+        self._pool.check_invariants((r.id, r.pinned, r.private) for r in live)
+        bs = self._config.block_size
         for req in live:
-            for page in req.private:
-                assert page not in owners, f"page {page} is private to two requests"
-                assert page not in cached_pages, f"private page {page} is also cached"
-                owners[page] = req.id
-        free = self._free
-        assert len(set(free)) == len(free), "a page is free twice"
-        assert not set(free) & (owners.keys() | cached_pages.keys()), "a used page is free"
-        total = len(free) + len(owners) + len(cached_pages)
-        assert total == self._config.num_pages, f"pages do not add up: {total}"
-        pins: dict[BlockHash, int] = {}
-        for req in live:
-            n = len(req.prompt)
-            bs = self._config.block_size
-            assert len(req.pages) == _pages_for(n, req.max_new, bs)
+            assert len(req.pages) == pages_for(len(req.prompt), req.max_new, bs)
             for j, h in enumerate(req.pinned):
-                pins[h] = pins.get(h, 0) + 1
-                assert h in resident, f"block {h!r} pinned by {req.id!r} was evicted"
+                assert h == req.hashes[j], "pins are not a chain prefix"
                 page = req.pages[j]
                 assert page in req.private or cache.page(h) == page, "page table out of sync"
             assert set(req.pages[len(req.pinned) :]) <= req.private
-        assert pins == self._pins, "pin mirror out of sync"
-        for b, n_pins in pins.items():
-            assert policy.pin_count(b) == n_pins, f"block {b!r} pin count differs"
-        for b, parent in self._parent.items():
-            assert b in resident, f"stale parent link for {b!r}"
-            assert parent is None or parent in resident, f"orphan {b!r} left in the cache"
+        for flight, leader in self._leaders.items():
+            assert leader.flight == flight and leader.id in self._live, "stale flight leader"
         assert len(self._running) <= self._config.max_running
         ids = [r.id for r in self._queue]
         assert len(set(ids)) == len(ids)
@@ -977,48 +878,3 @@ class Scheduler:
         assert all(req.state is RequestState.QUEUED for req in self._queue)
         assert all(req.state is RequestState.WAITING for req in self._flight_waiting.values())
         assert all(req.state is RequestState.RUNNING for req in self._running.values())
-
-
-@final
-class _Counters:
-    __slots__ = (
-        "aborted",
-        "admission_stalls",
-        "cached_tokens",
-        "decode_tokens",
-        "duplicate_blocks",
-        "evicted_blocks",
-        "finished",
-        "orphans_evicted",
-        "prefill_tokens",
-        "published_blocks",
-        "steps",
-    )
-
-    def __init__(self) -> None:
-        self.steps = 0
-        self.prefill_tokens = 0
-        self.decode_tokens = 0
-        self.cached_tokens = 0
-        self.published_blocks = 0
-        self.duplicate_blocks = 0
-        self.evicted_blocks = 0
-        self.orphans_evicted = 0
-        self.admission_stalls = 0
-        self.finished = 0
-        self.aborted = 0
-
-    def freeze(self) -> SchedulerStats:
-        return SchedulerStats(
-            steps=self.steps,
-            prefill_tokens=self.prefill_tokens,
-            decode_tokens=self.decode_tokens,
-            cached_tokens=self.cached_tokens,
-            published_blocks=self.published_blocks,
-            duplicate_blocks=self.duplicate_blocks,
-            evicted_blocks=self.evicted_blocks,
-            orphans_evicted=self.orphans_evicted,
-            admission_stalls=self.admission_stalls,
-            finished=self.finished,
-            aborted=self.aborted,
-        )
