@@ -64,7 +64,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     dev = torch.device(args.device)
     model = load_smollm2(device=args.device).model
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
     g = torch.Generator().manual_seed(0)
 
     def rand(n: int) -> tuple[int, ...]:
@@ -189,7 +193,6 @@ def main() -> None:
 
     def decode_plain(b: int) -> float:
         cache, mask = plain[b]
-        width = mask.shape[1]
         pos0 = torch.tensor(lengths[:b], device=dev).unsqueeze(1)
         times = []
         use(plain_impl)

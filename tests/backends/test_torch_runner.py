@@ -491,6 +491,12 @@ def test_identical_rows_over_shared_pages_are_computed_once(
     result = runner.execute(StepPlan(step=1, prefills=tuple(works)))
     distinct = len({prompt for prompt in prompts}) if start else len(prompts)
     assert runner.deduplicated_rows == ((len(prompts) - distinct) if deduplicate else 0)
+    if deduplicate and start:
+        computed = {prompt[start:] for prompt in prompts}
+        skipped = sum(len(p) - start for p in prompts) - sum(len(t) for t in computed)
+        assert runner.deduplicated_tokens == skipped
+    else:
+        assert runner.deduplicated_tokens == 0
     decodes = []
     for (rid, tok), prompt, table in zip(result.sampled, prompts, tables, strict=True):
         torch.testing.assert_close(

@@ -58,7 +58,7 @@ class TransformersRunner:
     rows that are the same work (the same tokens at the same positions over the same cached
     context pages, e.g. the followers of a flight recomputing their last prompt token) are
     computed once; each copy gets the KV written into its own pages and samples with its own
-    settings. `deduplicated_rows` counts them.
+    settings. `deduplicated_rows` counts them (`deduplicated_tokens`: their tokens).
 
     Attention: ``attention="paged"`` (default) attends over the pool's pages inside the
     model (an ``AttentionInterface`` function; the model's attention implementation is set
@@ -85,6 +85,7 @@ class TransformersRunner:
         "attention",
         "deduplicate",
         "deduplicated_rows",
+        "deduplicated_tokens",
         "last_logits",
         "long_chunk",
         "model",
@@ -130,6 +131,7 @@ class TransformersRunner:
         self.last_logits: dict[RequestId, torch.Tensor] = {}
         self.deduplicate = bool(deduplicate)
         self.deduplicated_rows = 0
+        self.deduplicated_tokens = 0
         self.reuse_decode = bool(reuse_decode)
         self.reused_passes = 0
         self._exact = param.dtype == pool.dtype  # cached KV equals what the pool stores
@@ -206,6 +208,7 @@ class TransformersRunner:
                 )
                 computed[row.request_id] = computed[same.request_id]
             self.deduplicated_rows += len(copies)
+            self.deduplicated_tokens += sum(len(row.tokens) for row, _ in copies)
             sampled = []
             for row in rows:
                 if row.sample:
