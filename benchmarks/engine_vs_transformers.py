@@ -315,6 +315,7 @@ def main() -> None:
             f"{o['tokens_per_s'] / t['tokens_per_s']:>7.2f}"
         )
     if args.json:
+        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(
                 {

@@ -249,6 +249,7 @@ def main() -> None:
         )
     print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f}")
     if args.json:
+        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(
                 {
