@@ -1,11 +1,12 @@
 """Decode step time of the torch runner against plain transformers, on SmolLM2-135M.
 
 Each of B requests (B = 1, 2, 8) holds ``--context`` tokens in its pages; a sample is
-``--steps`` consecutive decode steps of all B (the median step is kept). Three variants,
-interleaved in every round: ``gather`` (`TransformersRunner` with ``reuse_decode=False``,
+``--steps`` consecutive decode steps of all B (the median step is kept). Four variants,
+interleaved in every round: ``paged`` (the default runner: paged attention over the pool),
+``gather`` (`TransformersRunner` with ``reuse_decode=False``,
 which gathers every row's whole context from the pages each step), ``reuse`` (the default
 runner, which reuses a steady batch's cache from the previous step; each sample's first
-step still gathers, since the other variant wrote the shared pool in between) and
+step still gathers, since the other variants wrote the shared pool in between) and
 ``plain`` (transformers decoding a batch of B with its own `DynamicCache`, cropped back
 after each step). The table shows medians over rounds, the ratios to ``plain`` and the load.
 
@@ -30,7 +31,7 @@ from prefixflight.core import DecodeWork, PrefillWork, StepPlan
 
 BATCHES = (1, 2, 8)
 PAGE_SIZE = 16
-VARIANTS = ("gather", "reuse", "plain")
+VARIANTS = ("paged", "gather", "reuse", "plain")
 
 
 def main() -> None:
@@ -45,10 +46,13 @@ def main() -> None:
     ctx, steps, top = args.context, args.steps, max(BATCHES)
     model = load_smollm2(device="cpu").model
     per = -(-(ctx + steps) // PAGE_SIZE)
-    reuse = TransformersRunner.for_model(
+    paged = TransformersRunner.for_model(
         model, num_pages=top * per, page_size=PAGE_SIZE, device="cpu", deduplicate=False
     )
-    gather = TransformersRunner(model, reuse.pool, deduplicate=False, reuse_decode=False)
+    reuse = TransformersRunner(model, paged.pool, deduplicate=False, attention="gather")
+    gather = TransformersRunner(
+        model, paged.pool, deduplicate=False, reuse_decode=False, attention="gather"
+    )
     g = torch.Generator().manual_seed(0)
     prompts = [tuple(torch.randint(100, 40000, (ctx,), generator=g).tolist()) for _ in range(top)]
     pages = [tuple(range(i * per, (i + 1) * per)) for i in range(top)]
@@ -87,6 +91,7 @@ def main() -> None:
     load_before = os.getloadavg()
     for _ in range(args.rounds):
         for b in BATCHES:
+            samples["paged"][b].append(run_runner(paged, b))
             samples["gather"][b].append(run_runner(gather, b))
             samples["reuse"][b].append(run_runner(reuse, b))
             samples["plain"][b].append(run_plain(b))
@@ -94,13 +99,14 @@ def main() -> None:
     med = {v: {b: statistics.median(s[b]) * 1e3 for b in BATCHES} for v, s in samples.items()}
     print(f"decode step, {ctx} cached tokens per request, {args.threads} threads, median ms")
     print(
-        f"{'batch':>5} {'gather':>8} {'reuse':>8} {'plain':>8} {'gather/plain':>13} "
-        f"{'reuse/plain':>12}"
+        f"{'batch':>5} {'paged':>8} {'gather':>8} {'reuse':>8} {'plain':>8} "
+        f"{'paged/plain':>12} {'gather/plain':>13} {'reuse/plain':>12}"
     )
     for b in BATCHES:
         m = {v: med[v][b] for v in VARIANTS}
         print(
-            f"{b:>5} {m['gather']:>8.1f} {m['reuse']:>8.1f} {m['plain']:>8.1f} "
+            f"{b:>5} {m['paged']:>8.1f} {m['gather']:>8.1f} {m['reuse']:>8.1f} "
+            f"{m['plain']:>8.1f} {m['paged'] / m['plain']:>12.2f} "
             f"{m['gather'] / m['plain']:>13.2f} {m['reuse'] / m['plain']:>12.2f}"
         )
     print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f}")

@@ -121,7 +121,7 @@ def test_reusing_another_requests_pages_equals_full_prefill(
         common += 1
     reused_pages = min(common, len(b) - 1) // page_size  # always compute B's last token
     rng = random.Random(seed)
-    runner = make_runner(tiny_model, num_pages=48, page_size=page_size)
+    runner = make_runner(tiny_model, num_pages=2 * 130 + 1, page_size=page_size)  # a, b, 1
     free = list(range(runner.pool.num_pages))
     pages_a = page_table(rng, free, pages_for(len(a), page_size))
     runner.execute(
@@ -491,6 +491,12 @@ def test_identical_rows_over_shared_pages_are_computed_once(
     result = runner.execute(StepPlan(step=1, prefills=tuple(works)))
     distinct = len({prompt for prompt in prompts}) if start else len(prompts)
     assert runner.deduplicated_rows == ((len(prompts) - distinct) if deduplicate else 0)
+    if deduplicate and start:
+        computed = {prompt[start:] for prompt in prompts}
+        skipped = sum(len(p) - start for p in prompts) - sum(len(t) for t in computed)
+        assert runner.deduplicated_tokens == skipped
+    else:
+        assert runner.deduplicated_tokens == 0
     decodes = []
     for (rid, tok), prompt, table in zip(result.sampled, prompts, tables, strict=True):
         torch.testing.assert_close(
@@ -523,7 +529,12 @@ def test_decode_reuse_equals_gathering_every_step(
     prompts = [tuple(torch.randint(0, VOCAB, (length,), generator=g).tolist()) for _ in range(5)]
     runners = [
         TransformersRunner.for_model(
-            tiny_model, num_pages=160, page_size=page_size, device="cpu", reuse_decode=reuse
+            tiny_model,
+            num_pages=160,
+            page_size=page_size,
+            device="cpu",
+            reuse_decode=reuse,
+            attention="gather",
         )
         for reuse in (True, False)
     ]
@@ -580,7 +591,9 @@ def test_decode_reuse_equals_gathering_every_step(
 
 def test_decode_reuse_happens_for_a_steady_batch(tiny_model: Any) -> None:
     """Equal-length requests decoding together reuse every pass after the first decode."""
-    runner = make_runner(tiny_model, num_pages=64, page_size=4)
+    runner = TransformersRunner.for_model(
+        tiny_model, num_pages=64, page_size=4, device="cpu", attention="gather"
+    )
     prompts = [tuple(range(i, i + 10)) for i in range(3)]
     tables = {i: tuple(range(i * 8, i * 8 + 8)) for i in range(3)}
     result = runner.execute(

@@ -142,6 +142,18 @@ class PagedKVPool:
         self.version += 1
         self._kv.index_copy_(2, dst, self._kv.index_select(2, src))
 
+    def layer_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Live ``[slots, kv_heads, head_dim]`` views of one layer's keys and values.
+
+        For the paged attention path, which writes and reads them inside the model's
+        attention; whoever writes through them calls `mark_written`.
+        """
+        return self._kv[layer, 0], self._kv[layer, 1]
+
+    def mark_written(self) -> None:
+        """Record a write made through `layer_views` (bumps `version`)."""
+        self.version += 1
+
     def gather(self, slots: torch.Tensor) -> torch.Tensor:
         """``[layers, 2, n, kv_heads, head_dim]`` for ``slots`` (a 1-D index tensor)."""
         return self._kv.index_select(2, slots)

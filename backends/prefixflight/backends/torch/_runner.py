@@ -1,19 +1,27 @@
 """Executes the core's `StepPlan`s with a Hugging Face causal LM on a `PagedKVPool`.
 
-Prefill: the reused pages ``[0, start)`` are gathered into a transformers ``DynamicCache``,
-the chunk ``token_ids`` runs on top of it, and the chunk's new keys and values are written
-into the pages that cover ``[start, start + n)``. Decode: every request's context is
-gathered into one right-padded batch cache, one token per request runs in one forward pass
-with a padding mask and explicit positions, and each new token's KV goes into its page.
+Two attention paths, selected by ``TransformersRunner(..., attention=)``:
+
+``"paged"`` (default): the model runs without a transformers cache; an attention function
+registered through transformers' ``AttentionInterface`` (`._paged`) writes each layer's new
+keys and values into the pool and attends over the rows' pages directly.
+
+``"gather"`` (the reference): prefill: the reused pages ``[0, start)`` are gathered into a
+transformers ``DynamicCache``, the chunk ``token_ids`` runs on top of it, and the chunk's
+new keys and values are written into the pages that cover ``[start, start + n)``. Decode:
+every request's context is gathered into one right-padded batch cache, one token per request
+runs in one forward pass with a padding mask and explicit positions, and each new token's KV
+goes into its page.
 
 Only the public transformers surface is used (``DynamicCache(list_of_kv, config=)``,
-``cache.layers[i].keys/values``, the ``cache=`` keyword, ``logits_to_keep``): the simple, exact path
-an earlier plain-transformers prototype measured. Keys are stored after rotary embedding, as
-transformers caches them, so a gathered prefix is exactly what a full prefill would hold.
+``cache.layers[i].keys/values``, the ``cache=`` keyword, ``logits_to_keep``): the simple,
+exact path. Keys are stored after rotary embedding, as transformers caches them, so a
+gathered prefix is exactly what a full prefill would hold.
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, NamedTuple, final
 
 import torch
@@ -30,6 +38,7 @@ from prefixflight.core import (
 )
 from prefixflight.core._validate import check_int
 
+from ._paged import STEP_KWARG, PagedStep, register_paged_attention
 from ._pool import PagedKVPool
 from ._sampling import Sampler, SamplingParams
 
@@ -49,15 +58,22 @@ class TransformersRunner:
     rows that are the same work (the same tokens at the same positions over the same cached
     context pages, e.g. the followers of a flight recomputing their last prompt token) are
     computed once; each copy gets the KV written into its own pages and samples with its own
-    settings. `deduplicated_rows` counts them.
+    settings. `deduplicated_rows` counts them (`deduplicated_tokens`: their tokens).
 
-    Decode reuse: with ``reuse_decode`` (default), a forward pass of single-token rows that
-    all continue from the same position keeps its transformers cache; when the next pass is
-    the same requests' next tokens over the same pages and nothing has written the pool in
-    between (`PagedKVPool.version`), that cache is used instead of gathering the whole
-    context from the pages again. It holds exactly the values the gather would read (the
-    model and pool share a dtype), so the results are the same; ``reuse_decode=False`` is
-    the plain gather-every-step reference. `reused_passes` counts the passes that reused.
+    Attention: ``attention="paged"`` (default) attends over the pool's pages inside the
+    model (an ``AttentionInterface`` function; the model's attention implementation is set
+    to it, which behaves exactly like ``sdpa`` for any forward pass not made by a paged
+    runner); ``attention="gather"`` gathers each row's context into a ``DynamicCache``
+    first. Both give the same logits (tested within 1e-4) and the same greedy tokens.
+
+    Decode reuse (gather path only): with ``reuse_decode`` (default), a forward pass of
+    single-token rows that all continue from the same position keeps its transformers cache;
+    when the next pass is the same requests' next tokens over the same pages and nothing has
+    written the pool in between (`PagedKVPool.version`), that cache is used instead of
+    gathering the whole context from the pages again. It holds exactly the values the gather
+    would read (the model and pool share a dtype), so the results are the same;
+    ``reuse_decode=False`` is the plain gather-every-step reference. `reused_passes` counts
+    the passes that reused.
     """
 
     __slots__ = (
@@ -66,8 +82,10 @@ class TransformersRunner:
         "_kept",
         "_samplers",
         "_vocab",
+        "attention",
         "deduplicate",
         "deduplicated_rows",
+        "deduplicated_tokens",
         "last_logits",
         "long_chunk",
         "model",
@@ -84,7 +102,10 @@ class TransformersRunner:
         long_chunk: int = 64,
         deduplicate: bool = True,
         reuse_decode: bool = True,
+        attention: str = "paged",
     ) -> None:
+        if attention not in ("paged", "gather"):
+            raise ConfigError(f"attention must be 'paged' or 'gather', got {attention!r}")
         config = model.config
         param = next(model.parameters())
         if param.device != pool.device and not (
@@ -110,10 +131,14 @@ class TransformersRunner:
         self.last_logits: dict[RequestId, torch.Tensor] = {}
         self.deduplicate = bool(deduplicate)
         self.deduplicated_rows = 0
+        self.deduplicated_tokens = 0
         self.reuse_decode = bool(reuse_decode)
         self.reused_passes = 0
         self._exact = param.dtype == pool.dtype  # cached KV equals what the pool stores
         self._kept: _Kept | None = None
+        self.attention = attention
+        if attention == "paged":
+            model.set_attn_implementation(register_paged_attention())
 
     @property
     def vocab_size(self) -> int:
@@ -132,6 +157,7 @@ class TransformersRunner:
         long_chunk: int = 64,
         deduplicate: bool = True,
         reuse_decode: bool = True,
+        attention: str = "paged",
     ) -> TransformersRunner:
         """Move ``model`` to ``device``/``dtype`` (auto: CUDA if present) and give it a pool."""
         pool = PagedKVPool.for_model(
@@ -139,7 +165,12 @@ class TransformersRunner:
         )
         model = model.to(device=pool.device, dtype=pool.dtype)
         return cls(
-            model, pool, long_chunk=long_chunk, deduplicate=deduplicate, reuse_decode=reuse_decode
+            model,
+            pool,
+            long_chunk=long_chunk,
+            deduplicate=deduplicate,
+            reuse_decode=reuse_decode,
+            attention=attention,
         )
 
     # -- per-request sampling state -------------------------------------------------------
@@ -165,8 +196,9 @@ class TransformersRunner:
         computed: dict[RequestId, torch.Tensor] = {}
         logits: dict[RequestId, torch.Tensor] = {}
         with torch.inference_mode():
+            forward = self._forward_paged if self.attention == "paged" else self._forward
             for group in _batches(unique, self.long_chunk):
-                for row, out in zip(group, self._forward(group), strict=True):
+                for row, out in zip(group, forward(group), strict=True):
                     computed[row.request_id] = out
             pool = self.pool
             for row, same in copies:
@@ -176,6 +208,7 @@ class TransformersRunner:
                 )
                 computed[row.request_id] = computed[same.request_id]
             self.deduplicated_rows += len(copies)
+            self.deduplicated_tokens += sum(len(row.tokens) for row, _ in copies)
             sampled = []
             for row in rows:
                 if row.sample:
@@ -272,19 +305,7 @@ class TransformersRunner:
             ids = torch.tensor([r.tokens], dtype=torch.long, device=dev)
             out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
         else:
-            ids = torch.zeros((batch, q), dtype=torch.long, device=dev)
-            pos = torch.zeros((batch, q), dtype=torch.long, device=dev)
-            mask = torch.zeros((batch, 1, q, width + q), dtype=torch.bool, device=dev)
-            diag = torch.arange(q, device=dev)
-            causal = torch.ones((q, q), dtype=torch.bool, device=dev).tril()
-            for i, r in enumerate(group):
-                n = len(r.tokens)
-                off = q - n
-                ids[i, off:] = torch.tensor(r.tokens, dtype=torch.long, device=dev)
-                pos[i, off:] = torch.arange(r.start, r.start + n, device=dev)
-                mask[i, 0, off:, : r.start] = True
-                mask[i, 0, off:, width + off :] = causal[:n, :n]
-                mask[i, 0, diag[:off], width + diag[:off]] = True
+            ids, pos, mask = _padded_inputs(group, width, q, dev)
             out = self.model(
                 input_ids=ids,
                 attention_mask=mask,
@@ -316,6 +337,101 @@ class TransformersRunner:
             self._kept = _Kept(tuple(group), out.cache, pool.version)
         logits: torch.Tensor = out.logits[:, -1]
         return logits
+
+
+    def _forward_paged(self, group: list[_Row]) -> torch.Tensor:
+        """One forward pass over ``group`` attending over the pool's pages directly.
+
+        The same layout as `_forward` (context right-padded to ``width``, chunks
+        right-aligned in ``q`` columns, the same mask), but the keys and values are read
+        from and written to the pool inside each attention layer (`PagedStep`).
+        """
+        pool = self.pool
+        dev = pool.device
+        batch = len(group)
+        width = max(r.start for r in group)
+        q = max(len(r.tokens) for r in group)
+        ps = pool.page_size
+        write = torch.cat([pool.slots(r.pages, r.start, r.start + len(r.tokens)) for r in group])
+        real: torch.Tensor | None = None
+        read: torch.Tensor | None = None
+        span: tuple[int, int] | None = None
+        mask: torch.Tensor | None = None
+        if batch == 1:
+            r = group[0]
+            n = len(r.tokens)
+            ids = torch.tensor([r.tokens], dtype=torch.long, device=dev)
+            pos = torch.arange(r.start, r.start + n, device=dev).unsqueeze(0)
+            if r.start:
+                pages = r.pages[: -(-(r.start + n) // ps)]
+                if all(b == a + 1 for a, b in itertools.pairwise(pages)):
+                    span = (pages[0] * ps, r.start + n)
+                else:
+                    read = pool.slots(r.pages, 0, r.start + n)
+                if n > 1:
+                    mask = torch.ones((n, r.start + n), dtype=torch.bool, device=dev)
+                    mask[:, r.start :] = mask[:, r.start :].tril()
+                    mask = mask.view(1, 1, n, r.start + n)
+        else:
+            ids, pos, mask = _padded_inputs(group, width, q, dev)
+            flat: list[int] = []
+            for i, r in enumerate(group):
+                flat.extend(range(i * q + q - len(r.tokens), (i + 1) * q))
+            if len(flat) < batch * q:
+                real = torch.tensor(flat, dtype=torch.long, device=dev)
+            if width:
+                idx = torch.zeros((batch, width + q), dtype=torch.long, device=dev)
+                for i, r in enumerate(group):
+                    n = len(r.tokens)
+                    if r.start:
+                        idx[i, : r.start] = pool.slots(r.pages, 0, r.start)
+                    idx[i, width + q - n :] = pool.slots(r.pages, r.start, r.start + n)
+                read = idx.view(-1)
+        step = PagedStep(
+            pool,
+            write=write,
+            real=real,
+            read=read,
+            span=span,
+            width=width + q,
+            mask=mask,
+        )
+        pool.mark_written()
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=pos,
+            use_cache=False,
+            logits_to_keep=1,
+            **{STEP_KWARG: step},
+        )
+        logits: torch.Tensor = out.logits[:, -1]
+        return logits
+
+
+def _padded_inputs(
+    group: list[_Row], width: int, q: int, dev: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-aligned ids and positions and the 4D mask of a padded pass over ``group``.
+
+    Each real query sees its own context ``[0, start)`` and its chunk causally; a padding
+    query sees only itself, so no row is ever fully masked.
+    """
+    batch = len(group)
+    ids = torch.zeros((batch, q), dtype=torch.long, device=dev)
+    pos = torch.zeros((batch, q), dtype=torch.long, device=dev)
+    mask = torch.zeros((batch, 1, q, width + q), dtype=torch.bool, device=dev)
+    diag = torch.arange(q, device=dev)
+    causal = torch.ones((q, q), dtype=torch.bool, device=dev).tril()
+    for i, r in enumerate(group):
+        n = len(r.tokens)
+        off = q - n
+        ids[i, off:] = torch.tensor(r.tokens, dtype=torch.long, device=dev)
+        pos[i, off:] = torch.arange(r.start, r.start + n, device=dev)
+        mask[i, 0, off:, : r.start] = True
+        mask[i, 0, off:, width + off :] = causal[:n, :n]
+        mask[i, 0, diag[:off], width + diag[:off]] = True
+    return ids, pos, mask
 
 
 class _Row(NamedTuple):

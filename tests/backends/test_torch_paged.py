@@ -1,0 +1,268 @@
+"""The paged attention path against the gather path (the reference).
+
+Two runners over two pools run the same plans on the same model: ``attention="paged"``
+(keys and values written and read inside the model's attention, no ``DynamicCache``) and
+``attention="gather"`` (each row's context gathered into a ``DynamicCache`` first). Every
+step's sampled tokens must be identical and every sampled row's logits within 1e-4.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from prefixflight.backends.torch import TransformersRunner  # noqa: E402
+from prefixflight.core import ConfigError, DecodeWork, PrefillWork, StepPlan  # noqa: E402
+
+pytestmark = pytest.mark.torch
+
+ATOL = 1e-4
+VOCAB = 512
+
+
+def runners(
+    model: Any, *, num_pages: int, page_size: int, long_chunk: int = 64, device: str = "cpu"
+) -> tuple[TransformersRunner, TransformersRunner]:
+    """(paged, gather) runners with pools of their own, fp32."""
+    return tuple(  # type: ignore[return-value]
+        TransformersRunner.for_model(
+            model,
+            num_pages=num_pages,
+            page_size=page_size,
+            device=device,
+            dtype="float32",
+            long_chunk=long_chunk,
+            attention=attention,
+        )
+        for attention in ("paged", "gather")
+    )
+
+
+def run_mixed(
+    model: Any,
+    prompts: list[tuple[int, ...]],
+    *,
+    page_size: int,
+    long_chunk: int,
+    new_tokens: int,
+    rng: random.Random,
+    device: str = "cpu",
+) -> dict[int, list[int]]:
+    """Run both paths over the same mixed plans; return the greedy tokens per request.
+
+    Request 0 is prefilled alone first. Every other request reuses request 0's full pages
+    over their common prefix and prefills the rest in random chunks, in the same plans as
+    the decodes of the requests already running (so rows of different context lengths,
+    chunk sizes and cached prefixes share passes). Asserts equality at every step.
+    """
+    ps = page_size
+    per = -(-(max(map(len, prompts)) + new_tokens) // ps)
+    paged, gather = runners(
+        model,
+        num_pages=per * len(prompts) + 1,
+        page_size=ps,
+        long_chunk=long_chunk,
+        device=device,
+    )
+    free = list(range(1, per * len(prompts) + 1))
+    rng.shuffle(free)
+    tables: dict[int, tuple[int, ...]] = {}
+    done: dict[int, int] = {}  # prompt tokens computed so far
+    out: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    tables[0] = tuple(free[:per])
+    del free[:per]
+    for i, p in enumerate(prompts[1:], start=1):
+        common = 0
+        while common < min(len(p), len(prompts[0])) and p[common] == prompts[0][common]:
+            common += 1
+        reused = min(common, len(p) - 1) // ps
+        tables[i] = tables[0][:reused] + tuple(free[: per - reused])
+        del free[: per - reused]
+        done[i] = reused * ps
+
+    def step(n: int, prefills: list[PrefillWork], decodes: list[DecodeWork]) -> None:
+        plan = StepPlan(step=n, prefills=tuple(prefills), decodes=tuple(decodes))
+        a, b = paged.execute(plan), gather.execute(plan)
+        assert a == b
+        assert a.sampled  # every step samples something
+        for rid, _ in a.sampled:
+            torch.testing.assert_close(
+                paged.last_logits[rid], gather.last_logits[rid], atol=ATOL, rtol=0
+            )
+        for rid, tok in a.sampled:
+            out[int(rid)].append(tok)
+
+    first = PrefillWork(request_id=0, token_ids=prompts[0], start=0, pages=tables[0], sample=True)
+    step(0, [first], [])
+    n = 1
+    while any(len(toks) < new_tokens for toks in out.values()):
+        prefills, decodes = [], []
+        for i, p in enumerate(prompts):
+            if i in done and done[i] < len(p):
+                size = rng.randint(1, len(p) - done[i])
+                end = done[i] + size
+                prefills.append(
+                    PrefillWork(
+                        request_id=i,
+                        token_ids=p[done[i] : end],
+                        start=done[i],
+                        pages=tables[i],
+                        sample=end == len(p),
+                    )
+                )
+                done[i] = end
+            elif out[i] and len(out[i]) < new_tokens:
+                pos = len(p) + len(out[i]) - 1
+                decodes.append(
+                    DecodeWork(request_id=i, token_id=out[i][-1], position=pos, pages=tables[i])
+                )
+        if not any(pf.sample for pf in prefills) and not decodes:
+            # only unfinished chunks this step: still run them (nothing sampled), then go on
+            plan = StepPlan(step=n, prefills=tuple(prefills))
+            assert paged.execute(plan) == gather.execute(plan)
+        else:
+            step(n, prefills, decodes)
+        n += 1
+    return out
+
+
+prompt_st = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=40).map(tuple)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    shared=st.lists(st.integers(0, VOCAB - 1), min_size=0, max_size=40).map(tuple),
+    tails=st.lists(prompt_st, min_size=1, max_size=4),
+    page_size=st.integers(1, 8),
+    long_chunk=st.integers(1, 24),
+    new_tokens=st.integers(1, 5),
+    seed=st.integers(0, 2**16),
+)
+def test_paged_equals_gather_on_mixed_steps(
+    tiny_model: Any,
+    shared: tuple[int, ...],
+    tails: list[tuple[int, ...]],
+    page_size: int,
+    long_chunk: int,
+    new_tokens: int,
+    seed: int,
+) -> None:
+    prompts = [shared + t for t in tails]
+    out = run_mixed(
+        tiny_model,
+        prompts,
+        page_size=page_size,
+        long_chunk=long_chunk,
+        new_tokens=new_tokens,
+        rng=random.Random(seed),
+    )
+    assert all(len(toks) == new_tokens for toks in out.values())
+
+
+def test_paged_is_the_default_and_the_choice_is_checked(tiny_model: Any) -> None:
+    runner = TransformersRunner.for_model(tiny_model, num_pages=4, device="cpu")
+    assert runner.attention == "paged"
+    with pytest.raises(ConfigError, match="'flash'"):
+        TransformersRunner(tiny_model, runner.pool, attention="flash")
+
+
+def test_plain_forward_on_a_paged_model_is_plain_sdpa(tiny_factory: Any) -> None:
+    """Registering the paged function leaves the model usable with its own cache."""
+    plain, paged = tiny_factory("llama", 3), tiny_factory("llama", 3)
+    TransformersRunner.for_model(paged, num_pages=4, device="cpu")  # switches its attention
+    assert paged.config._attn_implementation != plain.config._attn_implementation
+    ids = torch.tensor([[5, 9, 13, 2, 7, 7, 1]])
+    with torch.inference_mode():
+        a = plain(input_ids=ids[:, :4], use_cache=True)
+        b = paged(input_ids=ids[:, :4], use_cache=True)
+        la = plain(input_ids=ids[:, 4:], cache=a.cache).logits
+        lb = paged(input_ids=ids[:, 4:], cache=b.cache).logits
+    assert torch.equal(la, lb)
+
+
+def test_paged_writes_the_same_kv_as_gather(tiny_model: Any) -> None:
+    """The pages hold the same keys and values after a prefill and a decode on both paths."""
+    paged, gather = runners(tiny_model, num_pages=8, page_size=4)
+    prompt = tuple(range(3, 16))
+    pages = (5, 2, 7, 0)
+    for r in (paged, gather):
+        r.execute(
+            StepPlan(
+                step=0,
+                prefills=(
+                    PrefillWork(
+                        request_id="a", token_ids=prompt, start=0, pages=pages, sample=True
+                    ),
+                ),
+            )
+        )
+        r.execute(
+            StepPlan(
+                step=1, decodes=(DecodeWork(request_id="a", token_id=4, position=13, pages=pages),)
+            )
+        )
+    for page in pages:
+        torch.testing.assert_close(
+            paged.pool.page_tensor(page), gather.pool.page_tensor(page), atol=1e-5, rtol=0
+        )
+
+
+@pytest.mark.realmodel
+def test_smollm2_paged_equals_gather(smollm2: Any) -> None:
+    """SmolLM2: three chat prompts sharing a system prompt, mixed chunks and decodes."""
+    tok = smollm2.tokenizer
+    system = "You are a careful assistant. Answer briefly and precisely. " * 6
+    prompts = [
+        tuple(
+            tok.apply_chat_template(
+                [{"role": "system", "content": system}, {"role": "user", "content": q}],
+                add_generation_prompt=True,
+                tokenize=True,
+            )["input_ids"]
+        )
+        for q in ("What is 2 + 2?", "Name a colour.", "Where is Paris?")
+    ]
+    out = run_mixed(
+        smollm2.model,
+        prompts,
+        page_size=16,
+        long_chunk=64,
+        new_tokens=6,
+        rng=random.Random(0),
+    )
+    assert all(len(toks) == 6 for toks in out.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@settings(max_examples=10, deadline=None)
+@given(
+    tails=st.lists(prompt_st, min_size=1, max_size=4),
+    page_size=st.integers(1, 8),
+    seed=st.integers(0, 2**16),
+)
+def test_paged_equals_gather_on_cuda(
+    tiny_model: Any, tails: list[tuple[int, ...]], page_size: int, seed: int
+) -> None:
+    shared = tuple(range(1, 30))
+    model = tiny_model.to("cuda", torch.float32)
+    try:
+        run_mixed(
+            model,
+            [shared + t for t in tails],
+            page_size=page_size,
+            long_chunk=8,
+            new_tokens=3,
+            rng=random.Random(seed),
+            device="cuda",
+        )
+    finally:
+        tiny_model.to("cpu")
