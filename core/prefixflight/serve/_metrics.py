@@ -79,13 +79,6 @@ class ServeMetrics:
         def counter(name: str, doc: str) -> Counter:
             return Counter(name, doc, LABELS, registry=reg)
 
-        self._queries = counter(
-            "vllm:prefix_cache_queries",
-            "Prefix cache queries, in terms of number of queried tokens.",
-        ).labels(*values)
-        self._hits = counter(
-            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
-        ).labels(*values)
         self._prompt_tokens = counter(
             "vllm:prompt_tokens", "Number of prefill tokens processed."
         ).labels(*values)
@@ -153,8 +146,6 @@ class ServeMetrics:
     def finished(self, report: RequestReport) -> None:
         """Count a request that ended (finished or aborted)."""
         if report.admitted_at is not None:  # it looked the cache up and ran
-            self._queries.inc(report.prompt_tokens)
-            self._hits.inc(report.cached_tokens)
             self._prompt_tokens.inc(report.prompt_tokens)
             self._computed.inc(report.computed_prompt_tokens)
             if report.role is Role.FOLLOWER:
@@ -236,6 +227,17 @@ class _EngineCollector(Collector):
             flight.tokens_not_recomputed,
         )
         stats = sched.stats
+        # the scheduler counts one lookup per admitted request, as vLLM counts its queries
+        yield counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            stats.prefix_query_tokens,
+        )
+        yield counter(
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            stats.prefix_hit_tokens,
+        )
         policy = self._engine.config.eviction
         yield counter(
             "prefixflight:evicted_blocks",

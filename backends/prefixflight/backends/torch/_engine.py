@@ -121,12 +121,17 @@ class EngineConfig:
             )
 
     def scheduler(
-        self, num_pages: int | None = None, *, event_sink: EventSink | None = None
+        self,
+        num_pages: int | None = None,
+        *,
+        event_sink: EventSink | None = None,
+        vocab_size: int | None = None,
     ) -> Scheduler:
         """A fresh scheduler (with its own cache and coordinator) for this configuration.
 
         ``event_sink`` receives the cache's KV events (``BlockStored``, ``BlockRemoved``,
         ``AllBlocksCleared``), e.g. a publisher that puts them on the wire for a router.
+        ``vocab_size``: the scheduler rejects token ids outside the model's vocabulary.
         """
         pages = self.num_pages if num_pages is None else num_pages
         policy = LRU(pages) if self.eviction == "lru" else S3FIFO(pages)
@@ -140,6 +145,7 @@ class EngineConfig:
                 max_batch_tokens=self.max_batch_tokens,
                 max_running=self.max_running,
                 publish=publish,
+                vocab_size=vocab_size,
             ),
             cache=PrefixCache(policy, self.page_size, event_sink=event_sink),
             coordinator=FlightCoordinator(
@@ -350,7 +356,7 @@ class AsyncEngine:
         self.tokenizer = tokenizer
         self._eos = eos
         self._clock = clock
-        self._scheduler = config.scheduler(event_sink=event_sink)
+        self._scheduler = config.scheduler(event_sink=event_sink, vocab_size=runner.vocab_size)
         # a sink that batches (a KV-event publisher) is flushed after every step: one event
         # batch per engine step, as vLLM publishes
         self._flush_events: Callable[[], object] | None = getattr(event_sink, "flush", None)
