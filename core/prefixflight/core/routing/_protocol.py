@@ -8,7 +8,6 @@ the host; their loads are inputs the host refreshes.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
@@ -24,7 +23,6 @@ __all__ = [
     "Routed",
     "Router",
     "Rng",
-    "check_now",
     "check_replicas",
 ]
 
@@ -125,15 +123,6 @@ class Rng(Protocol):
     def randint(self, a: int, b: int, /) -> int: ...
 
     def uniform(self, a: float, b: float, /) -> float: ...
-
-
-def check_now(now: object, last: float) -> float:
-    """``now`` as a float: finite and not before ``last``; `UsageError` otherwise."""
-    if isinstance(now, bool) or not isinstance(now, (int, float)) or not math.isfinite(now):
-        raise UsageError(f"now must be a finite number of seconds, got {now!r}")
-    if now < last:
-        raise UsageError(f"time went backwards: now={now!r} is before {last!r}")
-    return float(now)
 
 
 def check_replicas(replicas: Sequence[ReplicaLoad]) -> tuple[ReplicaLoad, ...]:
