@@ -155,6 +155,13 @@ def register_router(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     b.add_argument("--max-prefix-tokens", type=int, default=0, help="match cap, 0 = default")
     b.add_argument("--min-colocate-blocks", type=int, default=0, help="(0)")
     b.add_argument("--max-batch-size", type=int, default=1000, help="(1000)")
+    b.add_argument(
+        "--full-batch",
+        choices=("no_affinity", "seal_early"),
+        default="no_affinity",
+        help="an arrival at a full batch: no_affinity = routed by the baseline, the batch seals"
+        " on its timer (llm-d); seal_early = the filling arrival seals the batch (no_affinity)",
+    )
     b.add_argument("--balance-by", choices=("requests", "tokens"), default="requests")
     p.add_argument("--seed", type=int, default=0, help="workload and tie-break seed (0)")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON here")
@@ -272,6 +279,7 @@ def run_router(args: argparse.Namespace) -> int:
         max_prefix_tokens_to_match=args.max_prefix_tokens,
         min_colocate_blocks=args.min_colocate_blocks,
         max_batch_size=args.max_batch_size,
+        full_batch=args.full_batch,
         balance_by=args.balance_by,
     )
     approx = ApproxPrefixConfig(index_lag=args.index_lag_ms / 1000.0)
@@ -307,6 +315,7 @@ def run_router(args: argparse.Namespace) -> int:
                     "max_prefix_tokens_to_match": burst_config.max_prefix_tokens_to_match,
                     "min_colocate_blocks": burst_config.min_colocate_blocks,
                     "max_batch_size": burst_config.max_batch_size,
+                    "full_batch": burst_config.full_batch,
                     "balance_by": burst_config.balance_by,
                 },
             },
