@@ -1,11 +1,12 @@
 """How the burst router's gain grows with prompt length, and how the baseline depends on
-its index lag. Seed 004's shape: 4 replicas, G=8, k=-1, 100 ms window.
+its index lag. The shape of llm-d's burst prefix-affinity PR: 4 replicas, G=8, k=-1, a
+100 ms window.
 
 For each prompt-length range the same GRPO workload (same seed) runs through the baseline
 (llm-d's approximate prefix router) and through the burst router in front of it; the table
 prints co-location, hit rate and step times side by side with the step-time gain. A second
 table varies the baseline's ``index_lag`` (how late a routing decision reaches its index) on
-the seed's short prompts: that one parameter decides how badly a cold burst scatters.
+the PR's short prompts: that one parameter decides how badly a cold burst scatters.
 
     python benchmarks/router_gain.py [--steps 40] [--json out/router_gain.json]
 """

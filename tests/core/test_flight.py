@@ -1,4 +1,4 @@
-"""FlightCoordinator: every transition and fault path of seed 000's single flight."""
+"""FlightCoordinator: every transition and fault path of the single flight."""
 
 from __future__ import annotations
 

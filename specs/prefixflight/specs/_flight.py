@@ -1,9 +1,10 @@
-"""Executable specification of single-flight coordination (seed 000).
+"""Executable specification of single-flight coordination.
 
 `FlightModel` is the reference: lists and linear scans, written as a literal reading of the
-seed and the issue, slow and obviously right. `FlightCoordinatorMachine` drives an
-implementation and the model side by side with random arrivals (identical and different
-prompts, several namespaces), publications, completions, aborts, time passing and bad ids,
+rules, slow and obviously right. `FlightCoordinatorMachine` drives an implementation and the
+model side by side with random arrivals (identical and different prompts, several
+namespaces), re-arrivals of ids in open flights, publications, completions, aborts, time
+passing and bad ids,
 comparing decisions, placements, open flights and stats after every step.
 
 Run it against your own coordinator::

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import sys
 from array import array
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
@@ -252,6 +253,7 @@ class Placement(enum.Enum):
     INDEPENDENT = "independent"
 
 
+_FLOAT_MAX: Final = sys.float_info.max
 _LEADING, _WAITING = Placement.LEADING, Placement.WAITING
 _RELEASED, _INDEPENDENT = Placement.RELEASED, Placement.INDEPENDENT
 
@@ -501,7 +503,9 @@ class FlightCoordinator:
             raise UsageError(f"not a flight event: {event!r}")
         # every check before any change: the event's fields were validated when it was
         # made; here the time and the (placement x event) pair
-        now = check_time("now", event.now, after=self._now)
+        now = event.now
+        if type(now) is not float or not self._now <= now <= _FLOAT_MAX:  # NaN fails too
+            now = check_time("now", now, after=self._now)  # converts or raises
         if not isinstance(event, Tick):
             rid = event.request_id
             place = self.placement(rid)
