@@ -4,8 +4,8 @@
 rules, slow and obviously right. `FlightCoordinatorMachine` drives an implementation and the
 model side by side with random arrivals (identical and different prompts, several
 namespaces), re-arrivals of ids in open flights, publications, completions, aborts, time
-passing and bad ids,
-comparing decisions, placements, open flights and stats after every step.
+passing and bad ids, comparing decisions, placements, open flights and stats after every
+step, and checking every accepted event against `FlightCoordinator.TRANSITIONS`.
 
 Run it against your own coordinator::
 
