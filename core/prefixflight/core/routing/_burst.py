@@ -92,7 +92,9 @@ class BurstConfig:
     balance_by: BalanceBy = "requests"
 
     def __attrs_post_init__(self) -> None:
-        check_int("window_ms", self.window_ms, minimum=1, maximum=10_000)
+        w = check_int("window_ms", self.window_ms)
+        if not 1 <= w <= 10_000:
+            raise ConfigError(f"window_ms must be in 1..10000, got {w!r}")
         k = check_int("max_per_replica", self.max_per_replica, minimum=UNLIMITED)
         if k == 0:
             raise ConfigError(f"max_per_replica must be -1 (unlimited) or >= 1, got {k!r}")
