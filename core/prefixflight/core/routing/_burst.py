@@ -154,16 +154,13 @@ Assignment: TypeAlias = Placed | NoAffinity
 # -- the assignment ---------------------------------------------------------------------------
 
 
-@final
+@attrs.define(eq=False, slots=True)
 class _Unit:
     """Requests placed together: an identical group, or one prefix-sharing request."""
 
-    __slots__ = ("cost", "key", "members")
-
-    def __init__(self, key: tuple[BlockHash, ...], members: list[RequestId], cost: int) -> None:
-        self.key = key
-        self.members = members
-        self.cost = cost
+    key: tuple[BlockHash, ...]
+    members: list[RequestId]
+    cost: int
 
 
 def assign_batch(
