@@ -508,7 +508,18 @@ class FlightCoordinator:
             now = check_time("now", now, after=self._now)  # converts or raises
         if not isinstance(event, Tick):
             rid = event.request_id
-            place = self.placement(rid)
+            # `placement`, inlined: this is every event's hot path
+            place = (
+                _LEADING
+                if rid in self._leading
+                else _WAITING
+                if rid in self._waiting
+                else _RELEASED
+                if rid in self._released
+                else _INDEPENDENT
+                if rid in self._independent
+                else None
+            )
             if type(event) not in TRANSITIONS[place]:
                 raise self._illegal(rid, place, event)
         out: list[FlightDecision] = []
