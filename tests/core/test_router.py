@@ -413,6 +413,36 @@ def test_rejected_events_leave_the_state_unchanged() -> None:
     r.check_invariants()
 
 
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"request_id": 1, "blocks": ([1], [2]), "num_tokens": 8},
+        {"request_id": 1, "blocks": 5, "num_tokens": 8},
+        {"request_id": 1, "blocks": "ab", "num_tokens": 8},
+        {"request_id": 1.5, "blocks": (), "num_tokens": 0},
+        {"request_id": 1, "blocks": (), "num_tokens": -1},
+        {"request_id": 1, "blocks": (), "num_tokens": "8"},
+    ],
+    ids=["unhashable", "blocks-int", "blocks-str", "id-float", "tokens-negative", "tokens-str"],
+)
+def test_defect3_route_request_rejects_bad_fields_before_any_router_sees_them(
+    fields: dict[str, object],
+) -> None:
+    """An unhashable block hash used to be accepted into the window and to fail at the seal,
+    after the batch had been cleared: the whole batch was lost."""
+    with pytest.raises(UsageError):
+        RouteRequest(**fields)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"name": ""}, {"name": "a", "running": -1}, {"name": "a", "kv_utilization": float("nan")}],
+)
+def test_replica_load_rejects_bad_fields(fields: dict[str, object]) -> None:
+    with pytest.raises(UsageError):
+        ReplicaLoad(**fields)  # type: ignore[arg-type]
+
+
 def test_replica_loads_are_read_when_the_batch_seals() -> None:
     r = BurstRouter(BurstConfig(), reps(2))
     r.arrive(req(1), 0.0)

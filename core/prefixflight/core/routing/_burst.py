@@ -371,9 +371,9 @@ class BurstRouter:
         late = self._deadline is not None and t >= self._deadline
         if rid in self._pending and not late:
             raise UsageError(f"request {rid!r} is already waiting in the window")
-        self._now = t
         if late:
-            sealed = self._seal()
+            sealed = self._seal()  # computed before it clears the window
+        self._now = t
         limit = self._config.max_batch_size
         if limit != UNLIMITED and len(self._pending) >= limit:  # only with "no_affinity"
             return (*sealed, NoAffinity(request_id=rid))  # batch full: the fallback decides
@@ -391,10 +391,9 @@ class BurstRouter:
     def tick(self, now: float) -> tuple[Assignment, ...]:
         """Time passed: seal the open batch if ``now`` is at or past its deadline."""
         t = check_time("now", now, after=self._now)
+        sealed = self._seal() if self._deadline is not None and t >= self._deadline else ()
         self._now = t
-        if self._deadline is not None and t >= self._deadline:
-            return self._seal()
-        return ()
+        return sealed
 
     def cancel(self, request_id: RequestId) -> None:
         """Drop a waiting request from the open batch; the window closes if it empties.
@@ -421,7 +420,7 @@ class BurstRouter:
 
     # -- internals ----------------------------------------------------------------------------
     def _seal(self) -> tuple[Assignment, ...]:
-        batch = tuple(self._pending.values())
-        self._pending = {}
+        out = assign_batch(tuple(self._pending.values()), self._replicas, self._config)
+        self._pending = {}  # only once the assignment exists: a failure loses nothing
         self._deadline = None
-        return assign_batch(batch, self._replicas, self._config)
+        return out
