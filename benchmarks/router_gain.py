@@ -1,5 +1,6 @@
 """How the burst router's gain grows with prompt length, and how the baseline depends on
-its index lag. The shape of llm-d's burst prefix-affinity PR: 4 replicas, G=8, k=-1, 100 ms window.
+its index lag. The shape of llm-d's burst prefix-affinity PR: 4 replicas, G=8, k=-1, a
+100 ms window.
 
 For each prompt-length range the same GRPO workload (same seed) runs through the baseline
 (llm-d's approximate prefix router) and through the burst router in front of it; the table

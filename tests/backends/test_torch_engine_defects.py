@@ -95,7 +95,7 @@ class Gate:
         monkeypatch.setattr(TransformersRunner, "execute", execute)
 
 
-def test_close_during_a_step_frees_every_page(
+def test_defect6_close_during_a_step_frees_every_page(
     tiny_model: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Issue 9 #6: requests aborted by `close` inside a step released their pins and pages."""
@@ -122,7 +122,7 @@ def test_close_during_a_step_frees_every_page(
     run(main)
 
 
-def test_close_after_a_model_exception_frees_every_page(
+def test_defect6_close_after_a_model_exception_frees_every_page(
     tiny_model: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Issue 9 #6: a failed step left its requests running and their pages held."""
@@ -145,7 +145,7 @@ def test_close_after_a_model_exception_frees_every_page(
     run(main)
 
 
-def test_break_out_of_async_for_aborts_the_request(tiny_model: Any) -> None:
+def test_defect7_break_out_of_async_for_aborts_the_request(tiny_model: Any) -> None:
     """Issue 9 #7: ``break`` left the request decoding to its end."""
 
     async def main() -> None:
@@ -164,7 +164,7 @@ def test_break_out_of_async_for_aborts_the_request(tiny_model: Any) -> None:
     run(main)
 
 
-def test_aclose_aborts_the_request(tiny_model: Any) -> None:
+def test_defect7_aclose_aborts_the_request(tiny_model: Any) -> None:
     """Issue 9 #7: a Generation closes like an async generator (``aclose``, `aclosing`)."""
 
     async def main() -> None:
@@ -188,7 +188,7 @@ def test_aclose_aborts_the_request(tiny_model: Any) -> None:
     run(main)
 
 
-def test_garbage_collected_generation_aborts_the_request(tiny_model: Any) -> None:
+def test_defect7_garbage_collected_generation_aborts_the_request(tiny_model: Any) -> None:
     """Issue 9 #7: a dropped, unfinished Generation decoded to its end."""
 
     async def main() -> None:
@@ -205,7 +205,7 @@ def test_garbage_collected_generation_aborts_the_request(tiny_model: Any) -> Non
     run(main)
 
 
-def test_iterator_prompt_is_read_once(tiny_model: Any) -> None:
+def test_defect12_iterator_prompt_is_read_once(tiny_model: Any) -> None:
     """Issue 9 #12: a one-shot iterator prompt was consumed by validation, then empty."""
     prompt = prompt_of(7, 13)
 

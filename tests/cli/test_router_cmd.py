@@ -80,5 +80,6 @@ def test_prints_the_workload_and_settings_it_ran(
     assert "4 replicas, 65536 cache blocks of 16 tokens" in head
     assert "baseline router: approx (index lag 10 ms)" in head
     assert "burst router: window 50 ms, k -1, blocks of 64 tokens, max prefix tokens 0" in head
-    assert "min colocate blocks 2, max batch size 1000, balance by tokens" in head
+    assert "min colocate blocks 2, max batch size 1000 (no_affinity when full), balance" in head
+    assert "balance by tokens" in head
     assert max(len(line) for line in head.splitlines()) <= 100

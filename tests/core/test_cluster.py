@@ -286,6 +286,18 @@ def test_burst_adapter_routes_no_affinity_requests_through_the_fallback() -> Non
     assert router.next_deadline() is None
 
 
+def test_burst_adapter_routes_a_batch_full_arrival_through_the_fallback_at_once() -> None:
+    fallback = ApproxPrefixRouter()
+    router = BurstAffinityRouter(BurstRouter(BurstConfig(max_batch_size=2), names()), fallback)
+    assert router.route(rr(1), 0.0, names()) == ()
+    assert router.route(rr(2), 0.0, names()) == ()
+    (late,) = router.route(rr(3), 0.01, names())  # batch full: no burst affinity, no wait
+    assert late.request_id == 3
+    assert fallback.indexed_prefix(late.replica, (1, 2, 3)) == 3  # the fallback routed it
+    out = router.tick(0.1, names())
+    assert [d.request_id for d in out] == [1, 2] and out[0].replica == out[1].replica
+
+
 def test_burst_adapter_rejects_an_id_that_is_still_waiting() -> None:
     router = BurstAffinityRouter(BurstRouter(BurstConfig(), names()), ApproxPrefixRouter())
     router.route(rr(1), 0.0, names())

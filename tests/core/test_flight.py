@@ -1,6 +1,8 @@
-"""FlightCoordinator: every transition and fault path of seed 000's single flight."""
+"""FlightCoordinator: every transition and fault path of the single flight."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 
@@ -267,3 +269,143 @@ def test_partial_waiter_abort_just_leaves() -> None:
     assert c.flights() == {0: (1, ())}
     assert c.handle(PrefillDone(request_id=1, now=2.0)) == ()
     c.check_invariants()
+
+
+# -- regression tests of issue 9's defects ------------------------------------------------------
+
+
+def test_defect1_reused_id_gets_its_own_deadline() -> None:
+    """A follower that aborts and re-arrives in the same open flight waits ``max_wait`` from
+    its new arrival, not from its first one."""
+    c = FlightCoordinator(FlightConfig(policy=ReleasePolicy.ON_COMPLETION, max_wait=1.0))
+    c.handle(arrive(1))
+    c.handle(arrive(2, 0.0))  # deadline 1.0
+    c.handle(Aborted(request_id=2, now=0.5))
+    assert c.handle(arrive(2, 0.8)) == (Wait(request_id=2, flight=0),)  # deadline 1.8
+    assert c.handle(Tick(now=1.5)) == ()
+    assert c.placement(2) is Placement.WAITING
+    out = c.handle(Tick(now=1.9))
+    assert out == (Release(flight=0, request_ids=(2,), reason=ReleaseReason.TIMEOUT),)
+    assert c.stats.max_wait == pytest.approx(1.1)
+    c.check_invariants()
+
+
+def test_defect1_promotion_chain_id_gets_its_own_deadline() -> None:
+    """An id promoted to lead, then gone, then back as a follower of the same flight: the
+    deadline of its first wait does not apply to its second."""
+    c = FlightCoordinator(FlightConfig(max_wait=1.0))
+    c.handle(arrive(1))
+    c.handle(arrive(2, 0.0))  # deadline 1.0
+    c.handle(arrive(3, 0.1))  # deadline 1.1
+    assert c.handle(Aborted(request_id=1, now=0.2)) == (Promote(flight=0, request_id=2),)
+    assert c.handle(Aborted(request_id=2, now=0.3)) == (Promote(flight=0, request_id=3),)
+    assert c.handle(arrive(2, 0.9)) == (Wait(request_id=2, flight=0),)  # deadline 1.9
+    assert c.handle(Tick(now=1.5)) == ()
+    assert c.flights() == {0: (3, (2,))}
+    out = c.handle(Tick(now=2.0))
+    assert out == (Release(flight=0, request_ids=(2,), reason=ReleaseReason.TIMEOUT),)
+
+
+def test_defect2_flights_lists_waiting_members_oldest_first() -> None:
+    """Partial-prefix waiters and exact followers are listed together in arrival order."""
+    c = FlightCoordinator(FlightConfig(min_shared_blocks=1, block_size=4))
+    a, b = tuple(range(1, 13)), (1, 2, 3, 4, 9)
+    c.handle(arrive(1, key=FlightKey.of(a), blocks=_blocks(a)))
+    out = c.handle(arrive(2, 1.0, key=FlightKey.of(b), blocks=_blocks(b)))
+    assert out == (Wait(request_id=2, flight=0, blocks=1),)
+    c.handle(arrive(3, 2.0, key=FlightKey.of(a), blocks=_blocks(a)))  # exact, but younger
+    d = (*b, 5)  # partial too, younger still
+    c.handle(arrive(4, 3.0, key=FlightKey.of(d), blocks=_blocks(d)))
+    assert c.flights() == {0: (1, (2, 3, 4))}
+
+
+def _unhashable_blocks_event() -> Any:
+    return _any(Arrived)(request_id=9, key=FlightKey.of(PROMPT), now=5.0, blocks=([1, 2],))
+
+
+def _any(cls: object) -> Any:
+    """The class, untyped: the wrong types below are the point (a host need not run mypy)."""
+    return cls
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: _any(Progress)(request_id=1, published_blocks=-1, now=1.0),
+        lambda: _any(Progress)(request_id=1, published_blocks="2", now=1.0),
+        lambda: _any(Progress)(request_id=1, published_blocks=True, now=1.0),
+        lambda: _any(Progress)(request_id=1, published_blocks=2.0, now=1.0),
+        lambda: _any(Arrived)(request_id=9, key="x", now=1.0),
+        lambda: _any(Arrived)(request_id=9, key=KEY, now=1.0, blocks=5),
+        lambda: _any(Arrived)(request_id=9, key=KEY, now=1.0, blocks="abc"),
+        lambda: _any(Arrived)(request_id=[9], key=KEY, now=1.0),
+        lambda: _any(Tick)(now="1.0"),
+        lambda: _any(FlightKey)(namespace="x", digest=b"", num_tokens=0),
+        lambda: _any(FlightKey)(namespace=b"", digest=b"", num_tokens=-1),
+        lambda: _any(FlightKey).of([1, 2], namespace=5),
+        lambda: _any(FlightKey).of("abc"),
+        _unhashable_blocks_event,
+    ],
+    ids=[
+        "progress-negative",
+        "progress-str",
+        "progress-bool",
+        "progress-float",
+        "arrived-key-str",
+        "arrived-blocks-int",
+        "arrived-blocks-str",
+        "arrived-id-list",
+        "tick-now-str",
+        "key-namespace-str",
+        "key-negative-tokens",
+        "key-of-namespace-int",
+        "key-of-str-tokens",
+        "arrived-unhashable-blocks",
+    ],
+)
+def test_defect3_rejected_inputs_raise_usage_error(make: object) -> None:
+    with pytest.raises(UsageError):
+        make()  # type: ignore[operator]
+
+
+def test_defect3_unhashable_blocks_leave_state_unchanged() -> None:
+    """In partial mode, an arrival with unhashable blocks after a follower's deadline passed
+    is rejected before the timeout is applied: no Release is lost, time does not advance."""
+    c = FlightCoordinator(FlightConfig(min_shared_blocks=1, block_size=4, max_wait=1.0))
+    a = tuple(range(1, 13))
+    c.handle(arrive(1, key=FlightKey.of(a), blocks=_blocks(a)))
+    c.handle(arrive(2, 0.0, key=FlightKey.of(a), blocks=_blocks(a)))
+    before = snapshot(c)
+    with pytest.raises(UsageError, match="blocks"):
+        c.handle(_unhashable_blocks_event())
+    assert snapshot(c) == before
+    out = c.handle(Tick(now=5.0))  # the host still sees the timeout
+    assert out == (Release(flight=0, request_ids=(2,), reason=ReleaseReason.TIMEOUT),)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_defect4_coordinator_rejects_non_finite_time(bad: float) -> None:
+    c = FlightCoordinator(FlightConfig(max_wait=1.0))
+    c.handle(arrive(1))
+    c.handle(arrive(2))
+    before = snapshot(c)
+    for make in (
+        lambda: Tick(now=bad),
+        lambda: Arrived(request_id=3, key=KEY, now=bad),
+        lambda: Progress(request_id=1, published_blocks=1, now=bad),
+        lambda: PrefillDone(request_id=1, now=bad),
+        lambda: Finished(request_id=1, now=bad),
+        lambda: Aborted(request_id=1, now=bad),
+    ):
+        with pytest.raises(UsageError, match="finite"):
+            c.handle(make())
+    assert snapshot(c) == before
+    assert c.handle(Tick(now=2.0)) == (
+        Release(flight=0, request_ids=(2,), reason=ReleaseReason.TIMEOUT),
+    )
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan"), -1.0, True, "1"])
+def test_defect4_max_wait_must_be_finite(bad: object) -> None:
+    with pytest.raises(ConfigError, match="max_wait"):
+        FlightConfig(max_wait=bad)  # type: ignore[arg-type]

@@ -261,7 +261,10 @@ def test_router_hashes_prompts_with_the_partial_block() -> None:
         ("max_batch_size", 0),
         ("max_batch_size", -5),
         ("balance_by", "bytes"),
+        ("full_batch", "seal"),
         ("window_ms", True),
+        ("window_ms", 10_001),
+        ("max_batch_size", 1.5),
     ],
 )
 def test_invalid_config_is_rejected_naming_the_value(field: str, value: object) -> None:
@@ -340,14 +343,50 @@ def test_cancelling_every_request_closes_the_window() -> None:
     r.check_invariants()
 
 
-def test_full_batch_seals_early_with_the_last_arrival() -> None:
-    r = BurstRouter(BurstConfig(max_batch_size=3), reps(2))
+def test_defect13_full_batch_answers_no_affinity_and_seals_on_the_timer() -> None:
+    """As llm-d: an arrival at a full batch gets "batch full" (NoAffinity, left to the
+    fallback) and is not added; the batch still seals only at its deadline."""
+    r = BurstRouter(BurstConfig(max_batch_size=3, window_ms=100), reps(2))
+    assert r.arrive(req(1), 0.0) == ()
+    assert r.arrive(req(2), 0.0) == ()
+    assert r.arrive(req(3), 0.001) == ()  # full now, but not sealed
+    assert r.pending == (1, 2, 3) and r.deadline == pytest.approx(0.1)
+    assert r.arrive(req(4), 0.002) == (NoAffinity(request_id=4),)
+    assert r.pending == (1, 2, 3) and r.deadline == pytest.approx(0.1)
+    r.check_invariants()
+    assert r.tick(0.05) == ()
+    sealed = r.tick(0.1)
+    assert [a.request_id for a in sealed] == [1, 2, 3]
+    assert all(isinstance(a, Placed) for a in sealed)  # one identical group, co-located
+    # a late arrival seals the full batch first, then opens a new window
+    for i in (5, 6, 7):
+        r.arrive(req(i), 0.2)
+    out = r.arrive(req(8), 0.35)
+    assert [a.request_id for a in out] == [5, 6, 7]
+    assert list(r.pending) == [8]
+
+
+def test_full_batch_seal_early_option_seals_with_the_last_arrival() -> None:
+    """The opt-in prefixflight extension: the arrival that fills the batch seals it."""
+    r = BurstRouter(BurstConfig(max_batch_size=3, full_batch="seal_early"), reps(2))
     assert r.arrive(req(1), 0.0) == ()
     assert r.arrive(req(2), 0.0) == ()
     sealed = r.arrive(req(3), 0.001)
     assert [a.request_id for a in sealed] == [1, 2, 3]
     assert r.deadline is None
     assert r.arrive(req(4), 0.002) == () and r.pending == (4,)
+    r.check_invariants()
+
+
+def test_defect13_cancel_frees_a_slot_of_a_full_batch() -> None:
+    """Documented deviation from llm-d (which keeps a cancelled entry in its batch): here a
+    cancelled request leaves the batch, so it no longer counts toward max_batch_size."""
+    r = BurstRouter(BurstConfig(max_batch_size=2), reps(2))
+    r.arrive(req(1), 0.0)
+    r.arrive(req(2), 0.0)
+    r.cancel(1)
+    assert r.arrive(req(3), 0.01) == () and r.pending == (2, 3)
+    assert [a.request_id for a in r.tick(0.1)] == [2, 3]
 
 
 def test_rejected_events_leave_the_state_unchanged() -> None:
@@ -364,10 +403,44 @@ def test_rejected_events_leave_the_state_unchanged() -> None:
         r.cancel("nope")
     with pytest.raises(UsageError, match="nan"):
         r.tick(float("nan"))
+    with pytest.raises(UsageError, match="finite"):
+        r.arrive(req(2), float("inf"))
+    with pytest.raises(UsageError, match="finite"):
+        r.tick(float("inf"))
     with pytest.raises(UsageError, match="duplicate replica"):
         r.update_replicas([ReplicaLoad(name="a"), ReplicaLoad(name="a")])
     assert snapshot(r) == before
     r.check_invariants()
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"request_id": 1, "blocks": ([1], [2]), "num_tokens": 8},
+        {"request_id": 1, "blocks": 5, "num_tokens": 8},
+        {"request_id": 1, "blocks": "ab", "num_tokens": 8},
+        {"request_id": 1.5, "blocks": (), "num_tokens": 0},
+        {"request_id": 1, "blocks": (), "num_tokens": -1},
+        {"request_id": 1, "blocks": (), "num_tokens": "8"},
+    ],
+    ids=["unhashable", "blocks-int", "blocks-str", "id-float", "tokens-negative", "tokens-str"],
+)
+def test_defect3_route_request_rejects_bad_fields_before_any_router_sees_them(
+    fields: dict[str, object],
+) -> None:
+    """An unhashable block hash used to be accepted into the window and to fail at the seal,
+    after the batch had been cleared: the whole batch was lost."""
+    with pytest.raises(UsageError):
+        RouteRequest(**fields)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"name": ""}, {"name": "a", "running": -1}, {"name": "a", "kv_utilization": float("nan")}],
+)
+def test_replica_load_rejects_bad_fields(fields: dict[str, object]) -> None:
+    with pytest.raises(UsageError):
+        ReplicaLoad(**fields)  # type: ignore[arg-type]
 
 
 def test_replica_loads_are_read_when_the_batch_seals() -> None:

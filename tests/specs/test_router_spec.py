@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import attrs
+import pytest
 from hypothesis import Phase, given, settings
 from hypothesis.stateful import run_state_machine_as_test
 
@@ -37,12 +38,20 @@ def test_assignment_matches_the_reference(
     assert assign_batch(batch, replicas, config) == reference_assign(batch, replicas, config)
 
 
-def test_the_machine_catches_a_wrong_router() -> None:
-    """A router that never seals full batches early must fail the conformance machine."""
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"max_batch_size": -1},  # ignores max_batch_size
+        {"full_batch": "seal_early"},  # issue 9's defect 13: seals a full batch early
+    ],
+    ids=["no-cap", "always-seal-early"],
+)
+def test_the_machine_catches_a_wrong_router(change: dict[str, object]) -> None:
+    """A router that mishandles full batches must fail the conformance machine."""
 
-    class NoEarlySeal:
+    class Wrong:
         def __init__(self, config: BurstConfig, replicas: Sequence[ReplicaLoad]) -> None:
-            self.inner = BurstRouter(attrs.evolve(config, max_batch_size=-1), replicas)
+            self.inner = BurstRouter(attrs.evolve(config, **change), replicas)  # type: ignore[arg-type]
 
         @property
         def pending(self) -> tuple[RequestId, ...]:
@@ -66,8 +75,9 @@ def test_the_machine_catches_a_wrong_router() -> None:
 
     try:
         run_state_machine_as_test(
-            BurstRouterConformance.for_factory(NoEarlySeal),
+            BurstRouterConformance.for_factory(Wrong),
             settings=settings(
+                derandomize=True,
                 stateful_step_count=25,
                 database=None,
                 report_multiple_bugs=False,
@@ -76,4 +86,4 @@ def test_the_machine_catches_a_wrong_router() -> None:
         )
     except AssertionError:
         return
-    raise AssertionError("the conformance machine accepted a router that ignores max_batch_size")
+    raise AssertionError(f"the conformance machine accepted a router with {change}")

@@ -215,6 +215,14 @@ def register_router(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "docs/router.md for what happens to the next one)",
     )
     b.add_argument(
+        "--full-batch",
+        choices=("no_affinity", "seal_early"),
+        default="no_affinity",
+        help="burst: an arrival at a full batch gets no affinity and is routed by the baseline "
+        "while the batch seals on its timer (no_affinity, as llm-d), or seals the batch and "
+        "opens the next one (seal_early, our deviation)",
+    )
+    b.add_argument(
         "--balance-by",
         choices=("requests", "tokens"),
         default="requests",
@@ -352,8 +360,8 @@ def describe(args: argparse.Namespace, workload: Workload, cluster: ClusterConfi
         f"burst router: window {burst.window_ms} ms, k {burst.max_per_replica}, blocks of "
         f"{burst.block_size_tokens} tokens, max prefix tokens "
         f"{burst.max_prefix_tokens_to_match},\n  min colocate blocks "
-        f"{burst.min_colocate_blocks}, max batch size {burst.max_batch_size}, balance by "
-        f"{burst.balance_by}",
+        f"{burst.min_colocate_blocks}, max batch size {burst.max_batch_size} "
+        f"({burst.full_batch} when full), balance by {burst.balance_by}",
     ]
     return "\n".join(lines)
 
@@ -381,6 +389,7 @@ def run_router(args: argparse.Namespace) -> int:
             max_prefix_tokens_to_match=args.max_prefix_tokens,
             min_colocate_blocks=args.min_colocate_blocks,
             max_batch_size=args.max_batch_size,
+            full_batch=args.full_batch,
             balance_by=args.balance_by,
         )
         approx = ApproxPrefixConfig(index_lag=args.index_lag_ms / 1000.0)
@@ -424,6 +433,7 @@ def run_router(args: argparse.Namespace) -> int:
                     "max_prefix_tokens_to_match": burst_config.max_prefix_tokens_to_match,
                     "min_colocate_blocks": burst_config.min_colocate_blocks,
                     "max_batch_size": burst_config.max_batch_size,
+                    "full_batch": burst_config.full_batch,
                     "balance_by": burst_config.balance_by,
                 },
             },

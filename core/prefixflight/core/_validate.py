@@ -27,6 +27,7 @@ __all__ = [
     "int_field",
     "optional_int_field",
     "ratio_field",
+    "request_id_field",
     "time_field",
 ]
 
@@ -172,6 +173,15 @@ def time_field(error: type[UsageError] = UsageError) -> Validator:
 
     def check(_inst: object, attribute: Any, value: object) -> None:
         check_time(attribute.name, value, error=error)
+
+    return check
+
+
+def request_id_field() -> Validator:
+    """An attrs validator: `check_request_id` under the attribute's name."""
+
+    def check(_inst: object, attribute: Any, value: object) -> None:
+        check_request_id(attribute.name, value)
 
     return check
 

@@ -1,10 +1,11 @@
 """Executable specification of single-flight coordination.
 
 `FlightModel` is the reference: lists and linear scans, written as a literal reading of the
-single-flight prefill study of mini-vllm-rs and of our coordinator's contract, slow and obviously
-right. `FlightCoordinatorMachine` drives an implementation and the model side by side with random
-arrivals (identical and different prompts, several namespaces), publications, completions, aborts,
-time passing and bad ids, comparing decisions, placements, open flights and stats after every step.
+rules, slow and obviously right. `FlightCoordinatorMachine` drives an implementation and the
+model side by side with random arrivals (identical and different prompts, several
+namespaces), re-arrivals of ids in open flights, publications, completions, aborts, time
+passing and bad ids, comparing decisions, placements, open flights and stats after every
+step, and checking every accepted event against `FlightCoordinator.TRANSITIONS`.
 
 Run it against your own coordinator::
 
@@ -136,10 +137,8 @@ class FlightModel:
 
     def open_flights(self) -> dict[int, tuple[RequestId | None, tuple[RequestId, ...]]]:
         out = {}
-        for f in self.flights:
-            exact = tuple(m.rid for m in f.members if m.need is None)
-            partial = tuple(m.rid for m in f.members if m.need is not None)
-            out[f.id] = (f.leader, exact + partial)
+        for f in self.flights:  # waiting members oldest first, exact and partial together
+            out[f.id] = (f.leader, tuple(m.rid for m in f.members))
         return out
 
     @property
@@ -359,6 +358,7 @@ class FlightCoordinatorMachine(RuleBasedStateMachine):
     def _send(self, event: FlightEvent) -> None:
         assert self.model is not None
         note(f"handle({event!r})")
+        placed_before = self.model.placements()
         try:
             expected = self.model.handle(event)
         except UsageError:
@@ -372,10 +372,26 @@ class FlightCoordinatorMachine(RuleBasedStateMachine):
             after = (self.impl.placements(), self.impl.flights(), self.impl.stats)
             assert before == after, "a rejected event changed the state"
             return
+        placed_after = self.model.placements()
         got = self.impl.handle(event)
         note(f"  -> {got!r}")
         assert list(got) == expected, f"decisions differ: got {got!r}, expected {expected!r}"
         self._check_policy(event, got)
+        self._check_transition(event, placed_before, placed_after)
+
+    def _check_transition(
+        self,
+        event: FlightEvent,
+        before: dict[RequestId, Placement],
+        after: dict[RequestId, Placement],
+    ) -> None:
+        """The event's request moved as `FlightCoordinator.TRANSITIONS` allows."""
+        if isinstance(event, Tick):
+            return
+        rid = event.request_id
+        legal = FlightCoordinator.TRANSITIONS[before.get(rid)]
+        assert type(event) in legal, f"{event!r} was accepted from {before.get(rid)}"
+        assert after.get(rid) in legal[type(event)], f"{event!r} led to {after.get(rid)}"
 
     def _check_policy(self, event: FlightEvent, got: tuple[FlightDecision, ...]) -> None:
         """A follower is never released before its policy allows."""
@@ -465,6 +481,61 @@ class FlightCoordinatorMachine(RuleBasedStateMachine):
     def running_ends(self, data: st.DataObject, what: str) -> None:
         rid = data.draw(st.sampled_from(self._placed(Placement.RELEASED, Placement.INDEPENDENT)))
         self._send(self._event(what, rid, data))
+
+    @precondition(
+        lambda self: (
+            self.model is not None and bool(self._placed(Placement.LEADING, Placement.WAITING))
+        )
+    )
+    @rule(data=st.data(), dt=st.sampled_from([0.5, 1.0]), via=st.sampled_from(["abort", "promote"]))
+    def rejoin(self, data: st.DataObject, dt: float, via: str) -> None:
+        """A waiting request (an existing one, or a new follower of an open flight) leaves
+        its flight (aborts, or is promoted and then aborts) and re-arrives with the same id
+        and prompt a little later, while the flight is still open. Time then moves just past
+        its first arrival's deadline: the new arrival must wait ``max_wait`` from its own
+        arrival, not inherit the old deadline (issue 9, defect 1)."""
+        assert self.model is not None and self.config is not None
+        waiting = self._placed(Placement.WAITING)
+        leaders = self._placed(Placement.LEADING)
+        free = [i for i in _IDS if i not in self.model.placements()]
+        if leaders and free and (not waiting or data.draw(st.booleans())):
+            rid: RequestId = data.draw(st.sampled_from(free))
+            leader = data.draw(st.sampled_from(leaders))
+            self._arrive(rid, *self.prompts[leader])  # an exact follower of its flight
+            if self.model.placements().get(rid) is not Placement.WAITING:
+                return
+        elif waiting:
+            rid = data.draw(st.sampled_from(waiting))
+        else:
+            return
+        first = self._arrived(rid)
+        self.now += dt
+        self._send(Tick(now=self.now))
+        if self.model.placements().get(rid) is not Placement.WAITING:
+            return  # timed out meanwhile
+        if via == "promote":
+            head = next(f.leader for f in self.model.flights if rid in self._members(f))
+            if head is not None:
+                self._send(Aborted(request_id=head, now=self.now))
+        if rid in self.model.placements():
+            self._send(Aborted(request_id=rid, now=self.now))
+        self._arrive(rid, *self.prompts[rid])
+        mw = self.config.max_wait
+        if mw is not None and first + mw + 0.25 > self.now:
+            self.now = first + mw + 0.25
+            self._send(Tick(now=self.now))
+
+    def _arrived(self, rid: RequestId) -> float:
+        assert self.model is not None
+        for f in self.model.flights:
+            for m in f.members:
+                if m.rid == rid:
+                    return m.arrived
+        raise AssertionError(f"{rid!r} is not waiting")
+
+    @staticmethod
+    def _members(f: _ModelFlight) -> list[RequestId]:
+        return [m.rid for m in f.members]
 
     @rule(dt=st.sampled_from([0.0, 0.5, 1.0, 3.0]))
     def tick(self, dt: float) -> None:

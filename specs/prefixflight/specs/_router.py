@@ -1,6 +1,6 @@
 """Executable specification of `BurstRouter`: a reference model and a conformance machine.
 
-`reference_assign` is a literal reading of the assignment rules (issue 5, after llm-d's burst
+`reference_assign` is a literal reading of the assignment rules (after llm-d's burst
 prefix-cache producer): slow, with linear scans and explicit common-prefix comparisons
 instead of the implementation's hash index. `ReferenceWindow` is the batch window as a list.
 `BurstRouterConformance.for_factory(factory)` runs any implementation side by side with the
@@ -15,7 +15,9 @@ where ``my_factory(config, replicas)`` returns an object with ``arrive``, ``tick
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, ClassVar, Protocol
 
 from hypothesis import note
@@ -177,10 +179,17 @@ class ReferenceWindow:
         return reference_assign(batch, self.replicas, self.config)
 
     def _check_time(self, now: float) -> None:
-        if now != now or now < self.now:
+        if not math.isfinite(now) or now < self.now:
             raise UsageError(f"bad time {now!r}")
 
+    def _full(self) -> bool:
+        cap = self.config.max_batch_size
+        return cap != -1 and len(self.waiting) >= cap
+
     def arrive(self, request: RouteRequest, now: float) -> tuple[Assignment, ...]:
+        """A late arrival seals the open batch first. Then, when the batch is full: with
+        ``full_batch="no_affinity"`` (llm-d) the arrival gets NoAffinity and is not added;
+        with ``"seal_early"`` the arrival that fills the batch seals it, itself included."""
         self._check_time(now)
         deadline = self.deadline
         late = deadline is not None and now >= deadline
@@ -188,10 +197,13 @@ class ReferenceWindow:
             raise UsageError(f"{request.request_id!r} is already waiting")
         self.now = now
         out: tuple[Assignment, ...] = self._seal() if late else ()
+        if self._full():
+            assert self.config.full_batch == "no_affinity", "a seal_early batch is never full"
+            return (*out, NoAffinity(request_id=request.request_id))
         if self.opened_at is None:
             self.opened_at = now
         self.waiting.append(request)
-        if self.config.max_batch_size != -1 and len(self.waiting) >= self.config.max_batch_size:
+        if self._full() and self.config.full_batch == "seal_early":
             out += self._seal()
         return out
 
@@ -266,6 +278,7 @@ def burst_configs() -> st.SearchStrategy[BurstConfig]:
         max_prefix_tokens_to_match=st.sampled_from([0, 8, 12]),
         min_colocate_blocks=st.sampled_from([0, 1, 2]),
         max_batch_size=st.sampled_from([-1, 1, 3, 6]),
+        full_batch=st.sampled_from(["no_affinity", "seal_early"]),
         balance_by=st.sampled_from(["requests", "tokens"]),
     )
 
@@ -279,6 +292,10 @@ def route_batches(draw: st.DrawFn, max_size: int = 12) -> list[RouteRequest]:
     return [
         RouteRequest(request_id=i, blocks=k, num_tokens=4 * len(k)) for i, k in enumerate(picks)
     ]
+
+
+def _arrive_at(router: WindowedRouter, *, request: RouteRequest, now: float) -> Any:
+    return router.arrive(request, now)
 
 
 # -- the conformance machine ------------------------------------------------------------------
@@ -345,6 +362,18 @@ class BurstRouterConformance(RuleBasedStateMachine):
         self.next_id += 1
         note(f"arrive {request.request_id} at {self.now}")
         self._both(lambda r: r.arrive(request, self.now))
+
+    @rule(n=st.integers(2, 8), data=st.data())
+    def burst(self, n: int, data: st.DataObject) -> None:
+        """Several arrivals at one instant (the samples of one prompt, a fan-out): fills
+        batches, so ``max_batch_size`` and ``full_batch`` are exercised on every run."""
+        for _ in range(n):
+            blocks = data.draw(st.sampled_from(self.prompts))
+            rid = self.next_id
+            self.next_id += 1
+            request = RouteRequest(request_id=rid, blocks=blocks, num_tokens=4 * len(blocks))
+            note(f"arrive {rid} at {self.now}")
+            self._both(partial(_arrive_at, request=request, now=self.now))
 
     @precondition(lambda self: self.impl is not None and bool(self.impl.pending))
     @rule(data=st.data())

@@ -7,24 +7,36 @@ own with its own sampling settings.
 
 The coordinator is a sans-I/O state machine: `FlightCoordinator.handle` takes one event and
 returns the decisions the host must carry out. Every known request id is in exactly one
-place: leading a flight, waiting in a flight, released (tracked in a plain set until it
-terminates: the final design of the single-flight prefill study of mini-vllm-rs, no
-Draining state), or running independently.
+place (a `Placement`): leading a flight, waiting in a flight, released (tracked until it
+terminates; there is no separate draining state), or running independently. Which events
+each place accepts, and where they lead, is one literal table, `TRANSITIONS`; the
+implementation validates every event against it before it changes anything.
+
+Design after the single-flight prefill study of mini-vllm-rs; the table follows h11's
+style (one literal dict of legal state x event pairs).
 """
 
 from __future__ import annotations
 
 import enum
 import hashlib
+import sys
 from array import array
 from collections import deque
-from collections.abc import Sequence
-from typing import TypeAlias, final
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, ClassVar, Final, TypeAlias, final
 
 import attrs
 
 from .._errors import ConfigError, UsageError
-from .._validate import assert_never, check_int
+from .._validate import (
+    assert_never,
+    check_int,
+    check_time,
+    int_field,
+    request_id_field,
+    time_field,
+)
 from ..cache._hashing import BlockHash
 from ._plan import RequestId
 
@@ -47,6 +59,7 @@ __all__ = [
     "Release",
     "ReleasePolicy",
     "ReleaseReason",
+    "TRANSITIONS",
     "Tick",
     "Wait",
 ]
@@ -76,14 +89,26 @@ class ReleaseReason(enum.Enum):
     """The follower waited longer than ``max_wait``: it computes on its own."""
 
 
-def _check_now(_inst: object, _a: attrs.Attribute[float], value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        raise UsageError(f"now must be a real number, got {value!r}")
+def _blocks(value: Iterable[BlockHash]) -> tuple[BlockHash, ...]:
+    """Arrived.blocks as a tuple of hashable block hashes (materialised once)."""
+    if isinstance(value, (str, bytes)):
+        raise UsageError(f"blocks must be a sequence of block hashes, got {value!r}")
+    try:
+        out = tuple(value)
+        hash(out)  # one C-level pass: every block hash must be hashable
+    except TypeError:
+        raise UsageError(
+            f"blocks must be a sequence of hashable block hashes, got {value!r}"
+        ) from None
+    return out
 
 
-def _check_request_id(_inst: object, _a: attrs.Attribute[RequestId], value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise UsageError(f"request_id must be an int or a str, got {value!r}")
+def _instance(cls: type) -> Any:
+    def check(_inst: object, attribute: Any, value: object) -> None:
+        if not isinstance(value, cls):
+            raise UsageError(f"{attribute.name} must be a {cls.__name__}, got {value!r}")
+
+    return check
 
 
 @final
@@ -95,18 +120,25 @@ class FlightKey:
     practical purpose and cheap to hash), with their count.
     """
 
-    namespace: bytes
-    digest: bytes
-    num_tokens: int
+    namespace: bytes = attrs.field(validator=_instance(bytes))
+    digest: bytes = attrs.field(validator=_instance(bytes))
+    num_tokens: int = attrs.field(validator=int_field(0, error=UsageError))
 
     @classmethod
     def of(cls, token_ids: Sequence[int], namespace: str | bytes = b"") -> FlightKey:
-        ns = namespace.encode("utf-8") if isinstance(namespace, str) else bytes(namespace)
-        try:
-            data = array("q", token_ids).tobytes()
+        if isinstance(namespace, str):
+            ns = namespace.encode("utf-8")
+        elif isinstance(namespace, bytes):
+            ns = namespace
+        else:
+            raise UsageError(f"namespace must be a str or bytes, got {namespace!r}")
+        if isinstance(token_ids, (str, bytes)):
+            raise UsageError(f"token ids must be a sequence of ints, got {token_ids!r}")
+        try:  # C speed; array("q") accepts exactly the ints of the int64 range
+            data = array("q", token_ids)
         except (TypeError, OverflowError) as exc:
             raise UsageError(f"token ids must be ints in the int64 range: {exc}") from None
-        return cls(ns, hashlib.sha256(data).digest(), len(token_ids))
+        return cls(ns, hashlib.sha256(data.tobytes()).digest(), len(data))
 
 
 # -- events ------------------------------------------------------------------------------
@@ -115,50 +147,50 @@ class Arrived:
     """A request arrived. ``blocks`` (its chained full-block hashes) are only needed for
     partial-prefix coordination."""
 
-    request_id: RequestId = attrs.field(validator=_check_request_id)
-    key: FlightKey = attrs.field(validator=attrs.validators.instance_of(FlightKey))
-    now: float = attrs.field(validator=_check_now)
-    blocks: tuple[BlockHash, ...] = ()
+    request_id: RequestId = attrs.field(validator=request_id_field())
+    key: FlightKey = attrs.field(validator=_instance(FlightKey))
+    now: float = attrs.field(validator=time_field())
+    blocks: tuple[BlockHash, ...] = attrs.field(default=(), converter=_blocks)
 
 
 @attrs.frozen(kw_only=True)
 class Progress:
     """A request has published its first ``published_blocks`` full prompt blocks."""
 
-    request_id: RequestId = attrs.field(validator=_check_request_id)
-    published_blocks: int = attrs.field(validator=attrs.validators.ge(0))
-    now: float = attrs.field(validator=_check_now)
+    request_id: RequestId = attrs.field(validator=request_id_field())
+    published_blocks: int = attrs.field(validator=int_field(0, error=UsageError))
+    now: float = attrs.field(validator=time_field())
 
 
 @attrs.frozen(kw_only=True)
 class PrefillDone:
     """A request's prompt is computed and its full prompt blocks are published."""
 
-    request_id: RequestId = attrs.field(validator=_check_request_id)
-    now: float = attrs.field(validator=_check_now)
+    request_id: RequestId = attrs.field(validator=request_id_field())
+    now: float = attrs.field(validator=time_field())
 
 
 @attrs.frozen(kw_only=True)
 class Finished:
     """A request ended normally."""
 
-    request_id: RequestId = attrs.field(validator=_check_request_id)
-    now: float = attrs.field(validator=_check_now)
+    request_id: RequestId = attrs.field(validator=request_id_field())
+    now: float = attrs.field(validator=time_field())
 
 
 @attrs.frozen(kw_only=True)
 class Aborted:
     """A request was aborted or failed (before or after its prefill)."""
 
-    request_id: RequestId = attrs.field(validator=_check_request_id)
-    now: float = attrs.field(validator=_check_now)
+    request_id: RequestId = attrs.field(validator=request_id_field())
+    now: float = attrs.field(validator=time_field())
 
 
 @attrs.frozen(kw_only=True)
 class Tick:
     """Time passed: followers that waited longer than ``max_wait`` are released."""
 
-    now: float = attrs.field(validator=_check_now)
+    now: float = attrs.field(validator=time_field())
 
 
 FlightEvent: TypeAlias = Arrived | Progress | PrefillDone | Finished | Aborted | Tick
@@ -221,6 +253,52 @@ class Placement(enum.Enum):
     INDEPENDENT = "independent"
 
 
+_FLOAT_MAX: Final = sys.float_info.max
+_LEADING, _WAITING = Placement.LEADING, Placement.WAITING
+_RELEASED, _INDEPENDENT = Placement.RELEASED, Placement.INDEPENDENT
+
+TRANSITIONS: Final[
+    Mapping[Placement | None, Mapping[type[FlightEvent], frozenset[Placement | None]]]
+] = {
+    # place of the event's request -> {legal event: where that request may be afterwards}
+    # (None: unknown, never seen or terminated). A pair not listed is rejected with
+    # `UsageError` before anything changes. `Tick` names no request: always legal.
+    None: {
+        Arrived: frozenset({_LEADING, _WAITING, _INDEPENDENT}),
+    },
+    _LEADING: {
+        Progress: frozenset({_LEADING}),
+        PrefillDone: frozenset({_LEADING, _RELEASED}),  # AFTER_PREFILL closes the flight
+        Finished: frozenset({None}),
+        Aborted: frozenset({None}),  # the oldest exact follower may be promoted
+    },
+    _WAITING: {
+        Aborted: frozenset({None}),
+    },
+    _RELEASED: {
+        Progress: frozenset({_RELEASED}),
+        PrefillDone: frozenset({_RELEASED}),
+        Finished: frozenset({None}),
+        Aborted: frozenset({None}),
+    },
+    _INDEPENDENT: {
+        Progress: frozenset({_INDEPENDENT}),
+        PrefillDone: frozenset({_INDEPENDENT}),
+        Finished: frozenset({None}),
+        Aborted: frozenset({None}),
+    },
+}
+"""The legal (placement x event) pairs of `FlightCoordinator`, and the places each leads to."""
+
+_VERBS: Final[Mapping[type[FlightEvent], str]] = {
+    Arrived: "arrive",
+    Progress: "report progress",
+    PrefillDone: "finish its prefill",
+    Finished: "finish",
+    Aborted: "abort",
+}
+
+
 @attrs.frozen(kw_only=True)
 class FlightConfig:
     """How the coordinator behaves.
@@ -240,11 +318,10 @@ class FlightConfig:
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.policy, ReleasePolicy):
             raise ConfigError(f"policy must be a ReleasePolicy, got {self.policy!r}")
-        mw = self.max_wait
-        if mw is not None and (
-            isinstance(mw, bool) or not isinstance(mw, (int, float)) or not mw >= 0
-        ):
-            raise ConfigError(f"max_wait must be None or a number >= 0, got {mw!r}")
+        if self.max_wait is not None:
+            mw = check_time("max_wait", self.max_wait, error=ConfigError)
+            if mw < 0:
+                raise ConfigError(f"max_wait must be None or >= 0 seconds, got {mw!r}")
         if self.min_shared_blocks is not None:
             check_int("min_shared_blocks", self.min_shared_blocks, minimum=1)
         check_int("block_size", self.block_size, minimum=1)
@@ -266,22 +343,43 @@ class FlightStats:
 
 
 # -- state -------------------------------------------------------------------------------
-@final
-class _Flight:
-    __slots__ = ("blocks", "done", "followers", "id", "key", "leader", "partial", "published")
+@attrs.define(eq=False, slots=True)
+class _Member:
+    """One arrival waiting in a flight. Identity matters: a deadline belongs to one arrival,
+    so a re-used request id never inherits the deadline of an earlier incarnation."""
 
-    def __init__(
-        self, flight_id: int, key: FlightKey, leader: RequestId, blocks: tuple[BlockHash, ...]
-    ) -> None:
-        self.id = flight_id
-        self.key = key
-        self.leader: RequestId | None = leader
-        self.blocks = blocks
-        self.followers: dict[RequestId, float] = {}  # insertion order = arrival order
-        # id -> (blocks awaited, arrival time, prompt tokens)
-        self.partial: dict[RequestId, tuple[int, float, int]] = {}
-        self.published = 0
-        self.done = False
+    arrived: float
+    seq: int  # arrival order across the coordinator
+    need: int  # leading blocks awaited (partial waiters; 0 for exact followers)
+    tokens: int
+
+
+@attrs.define(eq=False, slots=True)
+class _Flight:
+    id: int
+    key: FlightKey
+    leader: RequestId | None
+    blocks: tuple[BlockHash, ...]
+    followers: dict[RequestId, _Member] = attrs.Factory(dict)  # exact, in arrival order
+    partial: dict[RequestId, _Member] = attrs.Factory(dict)  # partial-prefix, arrival order
+    published: int = 0
+    done: bool = False
+
+
+@attrs.define(eq=False, slots=True)
+class _MutableStats:
+    flights_opened: int = 0
+    followers: int = 0
+    partial_followers: int = 0
+    tokens_not_recomputed: int = 0
+    waits: int = 0
+    total_wait: float = 0.0
+    max_wait: float = 0.0
+    promotions: int = 0
+    timeouts: int = 0
+
+    def freeze(self) -> FlightStats:
+        return FlightStats(**attrs.asdict(self, recurse=False))
 
 
 @final
@@ -290,8 +388,13 @@ class FlightCoordinator:
 
     ``handle(event)`` returns the decisions in the order the host should apply them. A
     rejected event (unknown or duplicate id, time going backwards, an event the request's
-    place does not allow) raises `UsageError` and leaves the state unchanged.
+    place does not allow: see `TRANSITIONS`) raises `UsageError` and leaves the state
+    unchanged.
     """
+
+    TRANSITIONS: ClassVar[
+        Mapping[Placement | None, Mapping[type[FlightEvent], frozenset[Placement | None]]]
+    ] = TRANSITIONS
 
     __slots__ = (
         "_by_key",
@@ -304,6 +407,7 @@ class FlightCoordinator:
         "_now",
         "_prefix_index",
         "_released",
+        "_seq",
         "_stats",
         "_waiting",
     )
@@ -323,8 +427,10 @@ class FlightCoordinator:
         # that block at depth >= min_shared_blocks - 1, oldest first. Hashes are chained
         # (`BlockHasher`), so a hash also fixes its depth and the whole prefix before it.
         self._prefix_index: dict[BlockHash, list[_Flight]] = {}
-        self._deadlines: deque[tuple[float, RequestId, int]] = deque()
+        # (deadline, request id, the arrival it belongs to), in deadline order
+        self._deadlines: deque[tuple[float, RequestId, _Member]] = deque()
         self._next_id = 0
+        self._seq = 0
         self._now = float("-inf")
         self._stats = _MutableStats()
 
@@ -368,8 +474,18 @@ class FlightCoordinator:
         return out
 
     def flights(self) -> dict[int, tuple[RequestId | None, tuple[RequestId, ...]]]:
-        """A copy: open flight id -> (leader, waiting members oldest first)."""
-        return {f.id: (f.leader, (*f.followers, *f.partial)) for f in self._flights.values()}
+        """A copy: open flight id -> (leader, waiting members in arrival order, oldest
+        first: exact followers and partial-prefix waiters together)."""
+        out: dict[int, tuple[RequestId | None, tuple[RequestId, ...]]] = {}
+        for f in self._flights.values():
+            if f.partial and f.followers:
+                members = sorted(
+                    (*f.followers.items(), *f.partial.items()), key=lambda rm: rm[1].seq
+                )
+                out[f.id] = (f.leader, tuple(r for r, _ in members))
+            else:
+                out[f.id] = (f.leader, (*f.followers, *f.partial))
+        return out
 
     def flight_of(self, key: FlightKey) -> int | None:
         """The open flight for ``key``, if any."""
@@ -385,59 +501,59 @@ class FlightCoordinator:
         """Apply one event; return the decisions to carry out, in order."""
         if not isinstance(event, _EVENT_TYPES):
             raise UsageError(f"not a flight event: {event!r}")
-        now = float(event.now)
-        if now < self._now:
-            raise UsageError(f"time went backwards: now={event.now!r} < {self._now!r}")
+        # every check before any change: the event's fields were validated when it was
+        # made; here the time and the (placement x event) pair
+        now = event.now
+        if type(now) is not float or not self._now <= now <= _FLOAT_MAX:  # NaN fails too
+            now = check_time("now", now, after=self._now)  # converts or raises
+        if not isinstance(event, Tick):
+            rid = event.request_id
+            # `placement`, inlined: this is every event's hot path
+            place = (
+                _LEADING
+                if rid in self._leading
+                else _WAITING
+                if rid in self._waiting
+                else _RELEASED
+                if rid in self._released
+                else _INDEPENDENT
+                if rid in self._independent
+                else None
+            )
+            if type(event) not in TRANSITIONS[place]:
+                raise self._illegal(rid, place, event)
         out: list[FlightDecision] = []
+        self._now = now
+        self._expire(now, out)
         match event:
             case Arrived():
-                self._check_new(event.request_id)
-                self._now = now
-                self._expire(now, out)
                 self._arrive(event, now, out)
             case Progress():
-                flight = self._check_running(event.request_id, "report progress")
-                self._now = now
-                self._expire(now, out)
+                flight = self._leading.get(event.request_id)
                 if flight is not None:
                     self._progress(flight, event.published_blocks, now, out)
             case PrefillDone():
-                flight = self._check_running(event.request_id, "finish its prefill")
-                self._now = now
-                self._expire(now, out)
+                flight = self._leading.get(event.request_id)
                 if flight is not None:
                     self._prefill_done(flight, now, out)
             case Finished():
-                self._check_running(event.request_id, "finish")
-                self._now = now
-                self._expire(now, out)
                 self._terminate(event.request_id, now, out, aborted=False)
             case Aborted():
-                if self.placement(event.request_id) is None:
-                    raise UsageError(f"unknown request id {event.request_id!r}")
-                self._now = now
-                self._expire(now, out)
                 self._terminate(event.request_id, now, out, aborted=True)
             case Tick():
-                self._now = now
-                self._expire(now, out)
+                pass
             case _:
                 assert_never(event)
         return tuple(out)
 
-    # -- checks (raise before any change) ------------------------------------------------
-    def _check_new(self, request_id: RequestId) -> None:
-        if self.placement(request_id) is not None:
-            raise UsageError(f"duplicate request id {request_id!r}: it is already known")
-
-    def _check_running(self, request_id: RequestId, what: str) -> _Flight | None:
-        """A request that may compute: return its flight if it leads one."""
-        place = self.placement(request_id)
+    @staticmethod
+    def _illegal(rid: RequestId, place: Placement | None, event: FlightEvent) -> UsageError:
+        what = _VERBS[type(event)]
         if place is None:
-            raise UsageError(f"unknown request id {request_id!r}")
-        if place is Placement.WAITING:
-            raise UsageError(f"request {request_id!r} is waiting in a flight and cannot {what}")
-        return self._leading.get(request_id)
+            return UsageError(f"unknown request id {rid!r}: it cannot {what}")
+        if isinstance(event, Arrived):
+            return UsageError(f"duplicate request id {rid!r}: it is already known")
+        return UsageError(f"request {rid!r} is {place.value} and cannot {what}")
 
     # -- transitions ---------------------------------------------------------------------
     def _arrive(self, ev: Arrived, now: float, out: list[FlightDecision]) -> None:
@@ -449,22 +565,26 @@ class FlightCoordinator:
             return
         flight = self._by_key.get(ev.key)
         if flight is not None:
-            flight.followers[rid] = now
+            m = _Member(now, self._seq, 0, ev.key.num_tokens)
+            self._seq += 1
+            flight.followers[rid] = m
             self._waiting[rid] = flight
             self._stats.followers += 1
             if cfg.max_wait is not None:
-                self._deadlines.append((now + cfg.max_wait, rid, flight.id))
+                self._deadlines.append((now + cfg.max_wait, rid, m))
             out.append(Wait(request_id=rid, flight=flight.id))
             return
         if cfg.min_shared_blocks is not None and ev.blocks:
             partial = self._partial_match(ev.blocks)
             if partial is not None:
                 host, shared = partial
-                host.partial[rid] = (shared, now, ev.key.num_tokens)
+                m = _Member(now, self._seq, shared, ev.key.num_tokens)
+                self._seq += 1
+                host.partial[rid] = m
                 self._waiting[rid] = host
                 self._stats.partial_followers += 1
                 if cfg.max_wait is not None:
-                    self._deadlines.append((now + cfg.max_wait, rid, host.id))
+                    self._deadlines.append((now + cfg.max_wait, rid, m))
                 out.append(Wait(request_id=rid, flight=host.id, blocks=shared))
                 return
         flight = _Flight(self._next_id, ev.key, rid, ev.blocks)
@@ -517,7 +637,7 @@ class FlightCoordinator:
             flight.leader = None
             if aborted and not flight.done and flight.followers:
                 new = next(iter(flight.followers))
-                self._note_wait(flight.followers.pop(new), now)
+                self._note_wait(flight.followers.pop(new).arrived, now)
                 del self._waiting[new]
                 flight.leader = new
                 self._leading[new] = flight
@@ -552,19 +672,19 @@ class FlightCoordinator:
     ) -> None:
         if not flight.partial:
             return
-        ready = [
-            r for r, (need, _, _) in flight.partial.items() if all_ or need <= flight.published
-        ]
+        ready = [r for r, m in flight.partial.items() if all_ or m.need <= flight.published]
         if not ready:
             return
         bs = self._config.block_size
         for r in ready:
-            need, arrived, n = flight.partial.pop(r)
+            m = flight.partial.pop(r)
             del self._waiting[r]
             self._released[r] = None
-            self._note_wait(arrived, now)
+            self._note_wait(m.arrived, now)
             if reason is ReleaseReason.BLOCKS_PUBLISHED:
-                self._stats.tokens_not_recomputed += min(need * bs, max(n - 1, 0) // bs * bs)
+                self._stats.tokens_not_recomputed += min(
+                    m.need * bs, max(m.tokens - 1, 0) // bs * bs
+                )
         out.append(Release(flight=flight.id, request_ids=tuple(ready), reason=reason))
 
     def _close(
@@ -589,10 +709,10 @@ class FlightCoordinator:
             flight.leader = None
         if flight.followers:
             ids = tuple(flight.followers)
-            for r, arrived in flight.followers.items():
+            for r, member in flight.followers.items():
                 del self._waiting[r]
                 self._released[r] = None
-                self._note_wait(arrived, now)
+                self._note_wait(member.arrived, now)
             if flight.done:
                 self._stats.tokens_not_recomputed += len(ids) * self._reusable(flight.key)
             out.append(Release(flight=flight.id, request_ids=ids, reason=reason))
@@ -604,24 +724,23 @@ class FlightCoordinator:
 
     def _expire(self, now: float, out: list[FlightDecision]) -> None:
         """Release followers that have waited longer than ``max_wait`` (oldest first)."""
-        mw = self._config.max_wait
-        if mw is None:
-            return
         dl = self._deadlines
         while dl and dl[0][0] < now:
-            _, rid, fid = dl.popleft()
+            _, rid, member = dl.popleft()
             flight = self._waiting.get(rid)
-            if flight is None or flight.id != fid:
-                continue  # already released, promoted or terminated
-            if rid in flight.followers:
-                arrived = flight.followers.pop(rid)
+            if flight is None:
+                continue  # released, promoted or terminated
+            if flight.followers.get(rid) is member:
+                del flight.followers[rid]
+            elif flight.partial.get(rid) is member:
+                del flight.partial[rid]
             else:
-                arrived = flight.partial.pop(rid)[1]
+                continue  # the id waits again, as a later arrival with its own deadline
             del self._waiting[rid]
             self._released[rid] = None
-            self._note_wait(arrived, now)
+            self._note_wait(member.arrived, now)
             self._stats.timeouts += 1
-            out.append(Release(flight=fid, request_ids=(rid,), reason=ReleaseReason.TIMEOUT))
+            out.append(Release(flight=flight.id, request_ids=(rid,), reason=ReleaseReason.TIMEOUT))
 
     def _note_wait(self, arrived: float, now: float) -> None:
         s = self._stats
@@ -638,6 +757,7 @@ class FlightCoordinator:
         total = sum(len(s) for s in sets)
         assert len(set().union(*sets)) == total, "a request id is in two places"
         assert len(self._by_key) == len(self._flights), "one flight per key"
+        live: set[int] = set()
         for f in self._flights.values():
             assert self._by_key[f.key] is f
             members = [*f.followers, *f.partial]
@@ -646,6 +766,9 @@ class FlightCoordinator:
                 assert self._leading[f.leader] is f
             for r in members:
                 assert self._waiting[r] is f
+            assert all(m.need == 0 for m in f.followers.values())
+            assert all(m.need > 0 for m in f.partial.values())
+            live.update(id(m) for m in (*f.followers.values(), *f.partial.values()))
         for r, f in self._leading.items():
             assert f.leader == r and self._flights[f.id] is f
         for r, f in self._waiting.items():
@@ -655,42 +778,6 @@ class FlightCoordinator:
             assert fs, "empty prefix index entry"
             for f in fs:
                 assert self._flights.get(f.id) is f, "stale prefix index entry"
-
-
-@final
-class _MutableStats:
-    __slots__ = (
-        "flights_opened",
-        "followers",
-        "max_wait",
-        "partial_followers",
-        "promotions",
-        "timeouts",
-        "tokens_not_recomputed",
-        "total_wait",
-        "waits",
-    )
-
-    def __init__(self) -> None:
-        self.flights_opened = 0
-        self.followers = 0
-        self.partial_followers = 0
-        self.tokens_not_recomputed = 0
-        self.waits = 0
-        self.total_wait = 0.0
-        self.max_wait = 0.0
-        self.promotions = 0
-        self.timeouts = 0
-
-    def freeze(self) -> FlightStats:
-        return FlightStats(
-            flights_opened=self.flights_opened,
-            followers=self.followers,
-            partial_followers=self.partial_followers,
-            tokens_not_recomputed=self.tokens_not_recomputed,
-            waits=self.waits,
-            total_wait=self.total_wait,
-            max_wait=self.max_wait,
-            promotions=self.promotions,
-            timeouts=self.timeouts,
-        )
+        if self._config.max_wait is not None:  # every waiting arrival has its own deadline
+            queued = {id(m) for _, _, m in self._deadlines}
+            assert live <= queued, "a waiting arrival has no deadline"

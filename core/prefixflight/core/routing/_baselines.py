@@ -28,7 +28,7 @@ from typing import final
 import attrs
 
 from .._errors import ConfigError, UsageError
-from .._validate import assert_never
+from .._validate import assert_never, check_time
 from ..cache._hashing import BlockHash
 from ..cache._policies import LRU
 from ..flight._plan import RequestId
@@ -40,7 +40,6 @@ from ._protocol import (
     Routed,
     Router,
     RouteRequest,
-    check_now,
     check_replicas,
 )
 
@@ -67,7 +66,7 @@ class LeastLoadedRouter:
     def route(
         self, request: RouteRequest, now: float, replicas: Sequence[ReplicaLoad]
     ) -> tuple[Routed, ...]:
-        t = check_now(now, self._now)
+        t = check_time("now", now, after=self._now)
         reps = check_replicas(replicas)
         self._now = t
         least = min(r.running + r.waiting for r in reps)
@@ -75,7 +74,7 @@ class LeastLoadedRouter:
         return (Routed(request_id=request.request_id, replica=_pick(names, self._rng)),)
 
     def tick(self, now: float, replicas: Sequence[ReplicaLoad]) -> tuple[Routed, ...]:
-        self._now = check_now(now, self._now)
+        self._now = check_time("now", now, after=self._now)
         return ()
 
     def next_deadline(self) -> float | None:
@@ -155,7 +154,7 @@ class ApproxPrefixRouter:
     def route(
         self, request: RouteRequest, now: float, replicas: Sequence[ReplicaLoad]
     ) -> tuple[Routed, ...]:
-        t = check_now(now, self._now)
+        t = check_time("now", now, after=self._now)
         reps = check_replicas(replicas)
         self._now = t
         self._apply_lagged(t)
@@ -167,7 +166,7 @@ class ApproxPrefixRouter:
         return (Routed(request_id=request.request_id, replica=target),)
 
     def tick(self, now: float, replicas: Sequence[ReplicaLoad]) -> tuple[Routed, ...]:
-        self._now = check_now(now, self._now)
+        self._now = check_time("now", now, after=self._now)
         self._apply_lagged(self._now)
         return ()
 
@@ -224,7 +223,7 @@ class BurstAffinityRouter:
     def route(
         self, request: RouteRequest, now: float, replicas: Sequence[ReplicaLoad]
     ) -> tuple[Routed, ...]:
-        check_now(now, self._burst.now)
+        check_time("now", now, after=self._burst.now)
         reps = check_replicas(replicas)
         if not isinstance(request, RouteRequest):
             raise UsageError(f"expected a RouteRequest, got {request!r}")
@@ -236,7 +235,7 @@ class BurstAffinityRouter:
         return self._resolve(sealed, now, reps)
 
     def tick(self, now: float, replicas: Sequence[ReplicaLoad]) -> tuple[Routed, ...]:
-        check_now(now, self._burst.now)
+        check_time("now", now, after=self._burst.now)
         reps = check_replicas(replicas)
         self._burst.update_replicas(reps)
         sealed = self._burst.tick(now)

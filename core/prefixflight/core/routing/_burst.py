@@ -1,12 +1,12 @@
 """Burst prefix-affinity routing: co-locate prompt-sharing requests that arrive in one window.
 
-A port of llm-d's burst prefix-cache producer (llm-d's burst prefix-affinity PR) as a pure
-state machine. When a
-burst of requests sharing a prompt arrives at once, no replica's cache is warm yet, so a
-prefix-cache scorer sees zero everywhere and load balancing scatters the burst: the shared
-prefix is prefilled on every replica. `BurstRouter` instead collects the arrivals of one batch
-window and places them jointly, so requests sharing a prefix land together and the prefix is
-prefilled once.
+A port of llm-d's burst prefix-cache producer (llm-d's burst prefix-affinity PR; in
+llm-d-router: ``pkg/epp/framework/plugins/requestcontrol/dataproducer/burstprefix``) as a
+pure state machine. When a burst of requests sharing a prompt arrives at once, no replica's
+cache is warm yet, so a prefix-cache scorer sees zero everywhere and load balancing scatters
+the burst: the shared prefix is prefilled on every replica. `BurstRouter` instead collects
+the arrivals of one batch window and places them jointly, so requests sharing a prefix land
+together and the prefix is prefilled once.
 
 Grouping key. A request's key is its full chained block-hash sequence, capped at the match
 limit. **The trailing partial block is part of the key** (hash prompts with
@@ -16,9 +16,19 @@ and a prompt shorter than one block (GRPO prompts of 55-88 tokens with 64-token 
 gets a non-empty key instead of no affinity at all.
 
 The window is driven by explicit time: the first arrival opens it, ``now`` rides on every
-call, and an arrival or a `tick` at or past the deadline seals it. A full batch
-(``max_batch_size``) seals at once. Sealing returns one `Assignment` per request of the batch,
-in arrival order.
+call, and an arrival or a `tick` at or past the deadline seals it. Sealing returns one
+`Assignment` per request of the batch, in arrival order.
+
+A full batch (``max_batch_size`` requests) behaves as in llm-d by default
+(``full_batch="no_affinity"``): a request arriving when the batch is full is answered
+`NoAffinity` at once ("batch full": no burst affinity, the fallback routes it) and the batch
+still seals only at its deadline. ``full_batch="seal_early"`` is a prefixflight extension:
+the arrival that fills the batch seals it at once, itself included, and the next arrival
+opens a new window.
+
+Deviation from llm-d: `BurstRouter.cancel` removes the request from the open batch (it no
+longer counts toward ``max_batch_size`` or the joint placement, and an emptied window
+closes); llm-d leaves a cancelled request's entry in its batch until the timer seals it.
 """
 
 from __future__ import annotations
@@ -29,31 +39,28 @@ from typing import Literal, TypeAlias, final
 import attrs
 
 from .._errors import ConfigError, UsageError
+from .._validate import check_int, check_time
 from ..cache._hashing import BlockHash, BlockHasher
 from ..flight._plan import RequestId
-from ._protocol import ReplicaLoad, RouteRequest, check_now, check_replicas
+from ._protocol import ReplicaLoad, RouteRequest, check_replicas
 
 __all__ = [
     "Assignment",
     "BalanceBy",
     "BurstConfig",
     "BurstRouter",
+    "FullBatch",
     "NoAffinity",
     "Placed",
     "assign_batch",
 ]
 
 BalanceBy: TypeAlias = Literal["requests", "tokens"]
+FullBatch: TypeAlias = Literal["no_affinity", "seal_early"]
 
 UNLIMITED = -1
 DEFAULT_MAX_PREFIX_BLOCKS = 2048
 """llm-d's default cap on the blocks in a group key (``max_prefix_tokens_to_match=0``)."""
-
-
-def _int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name} must be an int, got {value!r}")
-    return value
 
 
 @attrs.frozen(kw_only=True)
@@ -67,7 +74,11 @@ class BurstConfig:
     - ``max_prefix_tokens_to_match``: cap on the tokens in a key; 0 means 2048 blocks.
     - ``min_colocate_blocks``: shared leading blocks that make different prompts co-locate
       (and give a lone request an affinity); 0 co-locates identical groups only.
-    - ``max_batch_size``: a batch this full seals at once; -1 for no cap.
+    - ``max_batch_size``: the most requests in one batch; -1 for no cap.
+    - ``full_batch``: what a request arriving at a full batch gets. ``"no_affinity"``
+      (llm-d's behaviour, the default): `NoAffinity` at once, and the batch still seals at
+      its deadline. ``"seal_early"`` (a prefixflight extension, not in llm-d): the arrival
+      that fills the batch seals it at once, itself included.
     - ``balance_by``: ``"requests"`` or ``"tokens"`` (uncached prefix tokens).
     """
 
@@ -77,29 +88,30 @@ class BurstConfig:
     max_prefix_tokens_to_match: int = 0
     min_colocate_blocks: int = 0
     max_batch_size: int = 1000
+    full_batch: FullBatch = "no_affinity"
     balance_by: BalanceBy = "requests"
 
     def __attrs_post_init__(self) -> None:
-        w = _int("window_ms", self.window_ms)
+        w = check_int("window_ms", self.window_ms)
         if not 1 <= w <= 10_000:
             raise ConfigError(f"window_ms must be in 1..10000, got {w!r}")
-        k = _int("max_per_replica", self.max_per_replica)
-        if k != UNLIMITED and k < 1:
+        k = check_int("max_per_replica", self.max_per_replica, minimum=UNLIMITED)
+        if k == 0:
             raise ConfigError(f"max_per_replica must be -1 (unlimited) or >= 1, got {k!r}")
-        bs = _int("block_size_tokens", self.block_size_tokens)
-        if bs < 1:
-            raise ConfigError(f"block_size_tokens must be > 0, got {bs!r}")
-        cap = _int("max_prefix_tokens_to_match", self.max_prefix_tokens_to_match)
+        bs = check_int("block_size_tokens", self.block_size_tokens, minimum=1)
+        cap = check_int("max_prefix_tokens_to_match", self.max_prefix_tokens_to_match, minimum=0)
         if cap != 0 and cap < bs:
             raise ConfigError(
                 f"max_prefix_tokens_to_match must be 0 or >= block_size_tokens ({bs}), got {cap!r}"
             )
-        m = _int("min_colocate_blocks", self.min_colocate_blocks)
-        if m < 0:
-            raise ConfigError(f"min_colocate_blocks must be >= 0, got {m!r}")
-        b = _int("max_batch_size", self.max_batch_size)
-        if b != UNLIMITED and b < 1:
+        check_int("min_colocate_blocks", self.min_colocate_blocks, minimum=0)
+        b = check_int("max_batch_size", self.max_batch_size, minimum=UNLIMITED)
+        if b == 0:
             raise ConfigError(f"max_batch_size must be -1 (unlimited) or >= 1, got {b!r}")
+        if self.full_batch not in ("no_affinity", "seal_early"):
+            raise ConfigError(
+                f"full_batch must be 'no_affinity' or 'seal_early', got {self.full_batch!r}"
+            )
         if self.balance_by not in ("requests", "tokens"):
             raise ConfigError(f"balance_by must be 'requests' or 'tokens', got {self.balance_by!r}")
 
@@ -142,16 +154,13 @@ Assignment: TypeAlias = Placed | NoAffinity
 # -- the assignment ---------------------------------------------------------------------------
 
 
-@final
+@attrs.define(eq=False, slots=True)
 class _Unit:
     """Requests placed together: an identical group, or one prefix-sharing request."""
 
-    __slots__ = ("cost", "key", "members")
-
-    def __init__(self, key: tuple[BlockHash, ...], members: list[RequestId], cost: int) -> None:
-        self.key = key
-        self.members = members
-        self.cost = cost
+    key: tuple[BlockHash, ...]
+    members: list[RequestId]
+    cost: int
 
 
 def assign_batch(
@@ -349,9 +358,12 @@ class BurstRouter:
         """Add a request to the window (opening one if none is open).
 
         An arrival at or past the deadline first seals the open batch (returned) and opens a
-        new window; an arrival that fills the batch seals it, itself included.
+        new window. When the batch already holds ``max_batch_size`` requests, the arrival is
+        answered `NoAffinity` at once and not added (``full_batch="no_affinity"``, as
+        llm-d); with ``full_batch="seal_early"`` the arrival that fills the batch seals it,
+        itself included.
         """
-        t = check_now(now, self._now)
+        t = check_time("now", now, after=self._now)
         if not isinstance(request, RouteRequest):
             raise UsageError(f"expected a RouteRequest, got {request!r}")
         rid = request.request_id
@@ -359,27 +371,36 @@ class BurstRouter:
         late = self._deadline is not None and t >= self._deadline
         if rid in self._pending and not late:
             raise UsageError(f"request {rid!r} is already waiting in the window")
-        self._now = t
         if late:
-            sealed = self._seal()
+            sealed = self._seal()  # computed before it clears the window
+        self._now = t
+        limit = self._config.max_batch_size
+        if limit != UNLIMITED and len(self._pending) >= limit:  # only with "no_affinity"
+            return (*sealed, NoAffinity(request_id=rid))  # batch full: the fallback decides
         if self._deadline is None:
             self._deadline = t + self._config.window_s
         self._pending[rid] = request
-        limit = self._config.max_batch_size
-        if limit != UNLIMITED and len(self._pending) >= limit:
+        if (
+            limit != UNLIMITED
+            and len(self._pending) >= limit
+            and self._config.full_batch == "seal_early"
+        ):
             sealed += self._seal()
         return sealed
 
     def tick(self, now: float) -> tuple[Assignment, ...]:
         """Time passed: seal the open batch if ``now`` is at or past its deadline."""
-        t = check_now(now, self._now)
+        t = check_time("now", now, after=self._now)
+        sealed = self._seal() if self._deadline is not None and t >= self._deadline else ()
         self._now = t
-        if self._deadline is not None and t >= self._deadline:
-            return self._seal()
-        return ()
+        return sealed
 
     def cancel(self, request_id: RequestId) -> None:
-        """Drop a waiting request from the open batch; the window closes if it empties."""
+        """Drop a waiting request from the open batch; the window closes if it empties.
+
+        (llm-d keeps a cancelled request's entry in its batch, where it still counts toward
+        ``max_batch_size`` and the joint placement; here it is gone at once.)
+        """
         if request_id not in self._pending:
             raise UsageError(f"request {request_id!r} is not waiting in the window")
         del self._pending[request_id]
@@ -391,11 +412,15 @@ class BurstRouter:
         if self._deadline is not None:
             assert self._deadline <= self._now + self._config.window_s
         limit = self._config.max_batch_size
-        assert limit == UNLIMITED or len(self._pending) < limit, "a full batch was not sealed"
+        if limit != UNLIMITED:
+            if self._config.full_batch == "seal_early":
+                assert len(self._pending) < limit, "a full batch was not sealed"
+            else:
+                assert len(self._pending) <= limit, "a batch took more than max_batch_size"
 
     # -- internals ----------------------------------------------------------------------------
     def _seal(self) -> tuple[Assignment, ...]:
-        batch = tuple(self._pending.values())
-        self._pending = {}
+        out = assign_batch(tuple(self._pending.values()), self._replicas, self._config)
+        self._pending = {}  # only once the assignment exists: a failure loses nothing
         self._deadline = None
-        return assign_batch(batch, self._replicas, self._config)
+        return out

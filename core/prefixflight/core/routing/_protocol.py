@@ -8,13 +8,13 @@ the host; their loads are inputs the host refreshes.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 import attrs
 
 from .._errors import UsageError
+from .._validate import check_int, check_ratio, int_field, request_id_field
 from ..cache._hashing import BlockHash
 from ..flight._plan import RequestId
 
@@ -25,18 +25,22 @@ __all__ = [
     "Routed",
     "Router",
     "Rng",
-    "check_now",
     "check_replicas",
 ]
 
 
-def _check_count(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise UsageError(f"{name} must be an int >= 0, got {value!r}")
-
-
 def _blocks(value: Iterable[BlockHash]) -> tuple[BlockHash, ...]:
-    return tuple(value)
+    """The block hashes as a tuple of hashable values (materialised once), or `UsageError`."""
+    if isinstance(value, (str, bytes)):
+        raise UsageError(f"blocks must be a sequence of block hashes, got {value!r}")
+    try:
+        out = tuple(value)
+        hash(out)  # every block hash must be hashable: routers group and index by them
+    except TypeError:
+        raise UsageError(
+            f"blocks must be a sequence of hashable block hashes, got {value!r}"
+        ) from None
+    return out
 
 
 @attrs.frozen(kw_only=True)
@@ -47,14 +51,9 @@ class RouteRequest:
     prefix of tokens); ``num_tokens`` is the prompt length in tokens.
     """
 
-    request_id: RequestId
+    request_id: RequestId = attrs.field(validator=request_id_field())
     blocks: tuple[BlockHash, ...] = attrs.field(converter=_blocks)
-    num_tokens: int
-
-    def __attrs_post_init__(self) -> None:
-        if isinstance(self.request_id, bool) or not isinstance(self.request_id, (int, str)):
-            raise UsageError(f"request_id must be an int or a str, got {self.request_id!r}")
-        _check_count("num_tokens", self.num_tokens)
+    num_tokens: int = attrs.field(validator=int_field(0, error=UsageError))
 
 
 @attrs.frozen(kw_only=True)
@@ -73,11 +72,9 @@ class ReplicaLoad:
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise UsageError(f"replica name must be a non-empty str, got {self.name!r}")
-        _check_count("running", self.running)
-        _check_count("waiting", self.waiting)
-        u = self.kv_utilization
-        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0.0 <= u <= 1.0:
-            raise UsageError(f"kv_utilization must be a number in [0, 1], got {u!r}")
+        check_int("running", self.running, minimum=0, error=UsageError)
+        check_int("waiting", self.waiting, minimum=0, error=UsageError)
+        check_ratio("kv_utilization", self.kv_utilization, error=UsageError)
 
 
 @attrs.frozen(kw_only=True)
@@ -135,15 +132,6 @@ class Rng(Protocol):
     def randint(self, a: int, b: int, /) -> int: ...
 
     def uniform(self, a: float, b: float, /) -> float: ...
-
-
-def check_now(now: object, last: float) -> float:
-    """``now`` as a float: finite and not before ``last``; `UsageError` otherwise."""
-    if isinstance(now, bool) or not isinstance(now, (int, float)) or not math.isfinite(now):
-        raise UsageError(f"now must be a finite number of seconds, got {now!r}")
-    if now < last:
-        raise UsageError(f"time went backwards: now={now!r} is before {last!r}")
-    return float(now)
 
 
 def check_replicas(replicas: Sequence[ReplicaLoad]) -> tuple[ReplicaLoad, ...]:
