@@ -10,17 +10,6 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Any
 
-from prefixflight.core import (
-    ApproxPrefixConfig,
-    ApproxPrefixRouter,
-    BurstAffinityRouter,
-    BurstConfig,
-    BurstRouter,
-    LeastLoadedRouter,
-    ReplicaLoad,
-    Router,
-)
-
 from ._args import (
     at_least,
     non_negative_float,
@@ -31,7 +20,8 @@ from ._args import (
 from ._io import read_trace, write_atomic, write_stdout
 from ._progress import progress
 
-if TYPE_CHECKING:  # the simulator is imported by the functions that run it, not at start-up
+if TYPE_CHECKING:  # the routers and the simulator are imported by the functions that run them
+    from prefixflight.core import ApproxPrefixConfig, BurstConfig, Router
     from prefixflight.sim import ClusterConfig, RouterReport, Workload
 
 __all__ = ["build_routers", "describe", "format_table", "register_router", "run_router"]
@@ -280,8 +270,15 @@ def build_routers(
     seed: int,
 ) -> tuple[Router, Router]:
     """The baseline router and the burst router in front of an identical baseline."""
-
     import random
+
+    from prefixflight.core import (
+        ApproxPrefixRouter,
+        BurstAffinityRouter,
+        BurstRouter,
+        LeastLoadedRouter,
+        ReplicaLoad,
+    )
 
     def baseline() -> Router:
         rng = random.Random(seed)
@@ -367,6 +364,7 @@ def describe(args: argparse.Namespace, workload: Workload, cluster: ClusterConfi
 
 
 def run_router(args: argparse.Namespace) -> int:
+    from prefixflight.core import ApproxPrefixConfig, BurstConfig
     from prefixflight.sim import ClusterConfig, simulate_cluster
 
     route_block = args.block_size if args.block_size is not None else (

@@ -14,7 +14,7 @@ import sys
 import time
 from typing import Any
 
-from prefixflight.core import ReleasePolicy, UsageError
+from prefixflight.core import UsageError
 
 from ._bench_cmd import prepare_torch_process
 from ._serve_ray_cmd import add_ray_arguments, run_ray
@@ -22,6 +22,7 @@ from ._serve_ray_cmd import add_ray_arguments, run_ray
 __all__ = ["kv_publisher", "register", "run"]
 
 MODELS = ("smollm2", "tiny")
+RELEASE_POLICIES = ("after_prefill", "on_completion", "independent")  # ReleasePolicy's values
 
 
 def _int_at_least(minimum: int) -> Any:
@@ -42,16 +43,6 @@ def _port(value: str) -> int:
     if n > 65535:
         raise argparse.ArgumentTypeError(f"a port is at most 65535, got {value!r}")
     return int(n)
-
-
-def _policy(value: str) -> ReleasePolicy:
-    try:
-        return ReleasePolicy(value)
-    except ValueError:
-        names = ", ".join(p.value for p in ReleasePolicy)
-        raise argparse.ArgumentTypeError(
-            f"invalid choice {value!r} (choose from {names})"
-        ) from None
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -94,8 +85,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument(
         "--release-policy",
-        type=_policy,
-        default=ReleasePolicy.AFTER_PREFILL,
+        choices=RELEASE_POLICIES,
+        default="after_prefill",
         metavar="POLICY",
         help="single flight: after_prefill (default), on_completion or independent (off)",
     )
@@ -222,6 +213,7 @@ def run(args: argparse.Namespace) -> int:
     if args.kv_events is None and (args.kv_events_replay or args.kv_events_pod):
         parser.error("--kv-events-replay and --kv-events-pod need --kv-events")
     http, backend = _imports()
+    from prefixflight.core import ReleasePolicy
     try:
         sock = socket.create_server((args.host, args.port))
     except OSError as exc:
@@ -238,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
             device=None if args.device == "auto" else args.device, dtype=args.dtype
         )
         config = backend.EngineConfig(
-            release_policy=args.release_policy,
+            release_policy=ReleasePolicy(args.release_policy),
             num_pages=args.num_pages,
             page_size=args.block_size,
             max_batch_tokens=args.max_batch_tokens,
@@ -266,7 +258,7 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"prefixflight serve: {name} on http://{shown}:{port} "
             f"(loaded in {time.perf_counter() - started:.1f} s; {args.num_pages} pages of "
-            f"{args.block_size} tokens, release policy {args.release_policy.value})",
+            f"{args.block_size} tokens, release policy {args.release_policy})",
             file=sys.stderr,
             flush=True,
         )

@@ -13,8 +13,6 @@ Ray and torch are imported inside `run_ray`, so the rest of the CLI never needs 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import threading
 from typing import Any
 
 from prefixflight.core import UsageError
@@ -81,6 +79,9 @@ def run_ray(args: argparse.Namespace) -> int:
     except ImportError as exc:  # pragma: no cover - depends on the install
         msg = f"Ray Serve is not installed ({exc}): pip install 'prefixflight[ray]'"
         raise UsageError(msg) from None
+    import asyncio
+    import threading
+
     from prefixflight.serve.ray import GenerateRequest, ModelSpec, run_local, shutdown
 
     model = ModelSpec.tiny() if args.model == "tiny" else ModelSpec.smollm2()
