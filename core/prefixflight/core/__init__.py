@@ -12,6 +12,7 @@ Every public name of the three is importable from `prefixflight.core` directly. 
 and experiments live in `prefixflight.sim`.
 """
 
+from ._build import compiled
 from ._errors import CapacityError, ConfigError, PrefixflightError, TraceFormatError, UsageError
 from .cache import (
     LRU,
@@ -177,6 +178,7 @@ __all__ = [
     "Wait",
     "assign_batch",
     "auto_capacities",
+    "compiled",
     "lru_curve",
     "parse_trace_line",
     "replay",
