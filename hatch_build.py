@@ -32,7 +32,7 @@ def _wanted() -> bool:
     return os.environ.get(ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-class CustomBuildHook(BuildHookInterface):  # type: ignore[misc]
+class CustomBuildHook(BuildHookInterface[Any]):
     PLUGIN_NAME = "custom"
 
     def dependencies(self) -> list[str]:
