@@ -62,7 +62,7 @@ class CustomBuildHook(BuildHookInterface[Any]):
             missing = expected - found
             if missing:
                 raise RuntimeError(f"{ENV}: mypyc did not build {sorted(missing)}")
-            out = root / "build" / "mypyc-artifacts"
+            out = root / "build" / "mypyc-artifacts"  # removed again in `finalize`
             shutil.rmtree(out, ignore_errors=True)
             for p in built:
                 rel = p.relative_to(src)
@@ -74,3 +74,7 @@ class CustomBuildHook(BuildHookInterface[Any]):
             shutil.rmtree(work, ignore_errors=True)
         build_data["pure_python"] = False
         build_data["infer_tag"] = True
+
+    def finalize(self, version: str, build_data: dict[str, Any], artifact_path: str) -> None:
+        if self.target_name == "wheel" and version != "editable" and _wanted():
+            shutil.rmtree(Path(self.root) / "build" / "mypyc-artifacts", ignore_errors=True)
