@@ -55,7 +55,7 @@ CORE_SURFACE = frozenset({
     "Rng", "Role", "RouteRequest", "Routed", "Router", "Scheduler", "SchedulerConfig",
     "SchedulerStats", "StepOutcome", "StepPlan", "StepResult", "Tick", "TraceFormatError",
     "TraceReader", "TraceRecord", "UsageError", "Wait", "assign_batch", "auto_capacities",
-    "lru_curve", "parse_trace_line", "replay",
+    "compiled", "lru_curve", "parse_trace_line", "replay",
 })  # fmt: skip
 
 SIM_SURFACE = frozenset({

@@ -51,6 +51,7 @@ from prefixflight.core import (
     BlockHasher,
     PrefixCache,
     TraceRecord,
+    compiled,
     replay,
 )
 
@@ -829,7 +830,12 @@ def main(argv: Sequence[str] | None = None, log: Callable[[str], None] | None = 
     if args.json:
         out = Path(args.json)
         out.parent.mkdir(parents=True, exist_ok=True)
-        doc = {"python": sys.version.split()[0], "rounds": args.rounds, "groups": summaries}
+        doc = {
+            "python": sys.version.split()[0],
+            "rounds": args.rounds,
+            "prefixflight_compiled": compiled,  # the optional mypyc build (docs/performance.md)
+            "groups": summaries,
+        }
         out.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
         say(f"wrote {out}")
     return 0

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from hypothesis import Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from prefixflight.core import LRU, S3FIFO, BlockHash, EvictionPolicy
+import prefixflight.core.cache._policies as policies_module
+from prefixflight.core import LRU, S3FIFO, BlockHash, EvictionPolicy, compiled
 from prefixflight.specs import (
     CacheConformance,
     LRUConformance,
@@ -20,7 +24,30 @@ TestS3FIFO = S3FIFOConformance.TestCase
 TestLRU = LRUConformance.TestCase
 
 
-class _MutantS3FIFO(S3FIFO):  # type: ignore[misc]
+def _source_s3fifo() -> type[S3FIFO]:
+    """S3FIFO as its source file defines it. Interpreted code cannot subclass the compiled
+    build's classes, and the seeded mistake below needs a subclass; the source is the reference
+    both builds share."""
+    if not compiled:
+        return S3FIFO
+    path = Path(policies_module.__file__).with_name("_policies.py")
+    spec = importlib.util.spec_from_file_location(
+        "prefixflight.core.cache._policies_source", path
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cls: type[S3FIFO] = module.S3FIFO
+    return cls
+
+
+if TYPE_CHECKING:
+    _S3FIFOSource = S3FIFO
+else:
+    _S3FIFOSource = _source_s3fifo()
+
+
+class _MutantS3FIFO(_S3FIFOSource):  # type: ignore[misc]
     """S3FIFO with one seeded mistake: freq is reset on entry to M."""
 
     __slots__ = ()

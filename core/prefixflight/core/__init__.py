@@ -22,6 +22,7 @@ import typing
 from ._errors import CapacityError, ConfigError, PrefixflightError, TraceFormatError, UsageError
 
 if typing.TYPE_CHECKING:
+    from ._build import compiled
     from .cache import (
         LRU,
         S3FIFO,
@@ -107,8 +108,9 @@ if typing.TYPE_CHECKING:
         assign_batch,
     )
 
-# name -> the subpackage that defines it (imported on first use of one of its names)
+# name -> the subpackage (or module) that defines it (imported on first use of one of its names)
 _LAZY = {
+    "compiled": "_build",
     "LRU": "cache",
     "S3FIFO": "cache",
     "AllBlocksCleared": "cache",
@@ -287,6 +289,7 @@ __all__ = [
     "Wait",
     "assign_batch",
     "auto_capacities",
+    "compiled",
     "lru_curve",
     "parse_trace_line",
     "replay",

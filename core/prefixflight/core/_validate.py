@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from typing import Any, NoReturn, TypeVar, cast
+from typing import Any, NoReturn, TypeAlias, TypeVar, cast
 
 from ._errors import ConfigError, UsageError
 
 __all__ = [
     "INT64_MAX",
     "INT64_MIN",
+    "CheckedFloat",
+    "CheckedInt",
     "assert_never",
     "check_instance",
     "check_int",
@@ -35,6 +37,15 @@ INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
 
 _E = TypeVar("_E", bound=UsageError)
+
+# Annotate a public parameter with these (not ``int``/``float``) when the function checks it
+# with `check_int`/`check_ratio` and is compiled by the optional mypyc build
+# (docs/performance.md): mypyc converts an ``int`` argument at the call boundary (True becomes
+# 1, 2.0 raises TypeError before the check runs), while a union is passed as the caller's
+# object, so both builds reject the same inputs with the same error. To a type checker they
+# mean exactly ``int`` and ``float`` (bool is an int, an int is accepted as a float).
+CheckedInt: TypeAlias = int | bool
+CheckedFloat: TypeAlias = float | int
 Validator = Callable[[Any, Any, Any], None]
 
 

@@ -15,7 +15,7 @@ from typing import TypeAlias, final
 import attrs
 
 from .._errors import CapacityError, UsageError
-from .._validate import check_int
+from .._validate import CheckedInt, check_int
 from ._hashing import BlockHash
 from ._policies import EvictionPolicy
 
@@ -107,7 +107,7 @@ class PrefixCache:
     def __init__(
         self,
         policy: EvictionPolicy,
-        block_size: int,
+        block_size: CheckedInt,
         *,
         event_sink: EventSink | None = None,
     ) -> None:
@@ -174,7 +174,7 @@ class PrefixCache:
         return self._pages.get(block)
 
     # -- replay semantics ----------------------------------------------------------------
-    def access(self, blocks: Sequence[BlockHash], num_tokens: int) -> int:
+    def access(self, blocks: Sequence[BlockHash], num_tokens: CheckedInt) -> int:
         """A replayed request: scan the resident prefix, then access every block in order.
 
         Returns the request's hit tokens and counts it in `stats`. If a block cannot be
@@ -183,9 +183,10 @@ class PrefixCache:
         """
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
             raise UsageError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+        tokens: int = num_tokens
         policy = self._policy
         k = policy.resident_prefix(blocks)
-        hit = min(k * self._block_size, num_tokens)
+        hit = min(k * self._block_size, tokens)
         if self._sink is not None:
             self._access_with_events(blocks, None)
         elif self._access_into is not None:
@@ -200,7 +201,7 @@ class PrefixCache:
             if evicted:
                 self._forget(evicted)
         self._requests += 1  # counted only once every block was accessed
-        self._prompt_tokens += num_tokens
+        self._prompt_tokens += tokens
         self._hit_tokens += hit
         self._blocks += len(blocks)
         self._hit_blocks += k
@@ -275,7 +276,7 @@ class PrefixCache:
             ) from None
         return evicted, unused
 
-    def evict_many(self, count: int) -> list[tuple[BlockHash, int | None]]:
+    def evict_many(self, count: CheckedInt) -> list[tuple[BlockHash, int | None]]:
         """Evict up to ``count`` unpinned blocks in the policy's order (fewer if the rest
         are pinned); return their ``(block, page)`` pairs. One call for a request's
         pages instead of one `evict` per page; with an event sink, one `BlockRemoved`

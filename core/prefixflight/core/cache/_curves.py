@@ -32,7 +32,7 @@ from typing import Any, final
 import attrs
 
 from .._errors import ConfigError, UsageError
-from .._validate import check_int
+from .._validate import CheckedInt, check_int
 from ._hashing import BlockHash
 from ._trace import TraceRecord
 
@@ -71,9 +71,8 @@ class CurvePoint:
 
 
 def _capacities(values: Iterable[int]) -> tuple[int, ...]:
-    caps = tuple(values)
-    for c in caps:
-        check_int("capacity", c, minimum=0)
+    given: tuple[object, ...] = tuple(values)  # objects: see CheckedInt
+    caps = tuple(check_int("capacity", c, minimum=0) for c in given)
     if not caps:
         raise ConfigError("give at least one capacity")
     if len(set(caps)) != len(caps):
@@ -109,7 +108,7 @@ class LRUCurve:
         "_zeros",
     )
 
-    def __init__(self, capacities: Iterable[int], block_size: int = 512) -> None:
+    def __init__(self, capacities: Iterable[int], block_size: CheckedInt = 512) -> None:
         check_int("block_size", block_size, minimum=1)
         caps = _capacities(capacities)
         self._capacities = caps
@@ -164,14 +163,15 @@ class LRUCurve:
             i &= i - 1
         return self._active - s + (self._masks[c] >> (t & _MASK)).bit_count()
 
-    def access(self, blocks: Sequence[BlockHash], num_tokens: int) -> tuple[int, ...]:
+    def access(self, blocks: Sequence[BlockHash], num_tokens: CheckedInt) -> tuple[int, ...]:
         """One request: its hit tokens under each capacity, then every block is accessed."""
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
             raise UsageError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+        tokens: int = num_tokens
         running = self._scan(blocks)
         self._touch(blocks)
         self._requests += 1
-        self._prompt_tokens += num_tokens
+        self._prompt_tokens += tokens
         if not running:
             return self._zeros
         bs = self._block_size
@@ -180,7 +180,7 @@ class LRUCurve:
         for caps_i, cap in zip(self._order, self._sorted_caps, strict=True):
             k = bisect_right(running, cap)
             if k:
-                h = min(k * bs, num_tokens)
+                h = min(k * bs, tokens)
                 out[caps_i] = h
                 hits[caps_i] += h
         return tuple(out)
@@ -317,7 +317,9 @@ def lru_curve(
     return curve.points()
 
 
-def auto_capacities(distinct_blocks: int, points: int = 24, smallest: int = 16) -> tuple[int, ...]:
+def auto_capacities(
+    distinct_blocks: CheckedInt, points: CheckedInt = 24, smallest: CheckedInt = 16
+) -> tuple[int, ...]:
     """About ``points`` log-spaced capacities from ``smallest`` up to ``distinct_blocks``
     (from there on LRU never evicts, so its curve is flat), ascending, distinct."""
     check_int("distinct_blocks", distinct_blocks, minimum=0)

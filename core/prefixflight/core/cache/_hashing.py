@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import sys
-import zlib
 from array import array
 from collections.abc import Hashable, Sequence
 from typing import Final, Literal, TypeAlias, final
@@ -20,6 +19,7 @@ from typing import Final, Literal, TypeAlias, final
 import attrs
 
 from .._validate import check_int
+from ._chain import chain_crc, chain_sha256
 
 __all__ = ["BlockHash", "BlockHasher", "HashAlgorithm"]
 
@@ -33,7 +33,6 @@ _SEED_TAG: Final = b"prefixflight/block-hash/v1\x00"
 _TOKEN_BYTES: Final = 8
 _SWAP: Final = sys.byteorder != "little"
 _sha256 = hashlib.sha256
-_crc32 = zlib.crc32
 
 
 def _token_bytes(token_ids: Sequence[int]) -> bytes:
@@ -130,27 +129,15 @@ class BlockHasher:
         step = self.block_size * _TOKEN_BYTES
         end = len(data) if self.include_partial else len(data) - len(data) % step
         if self.algorithm == "sha256":
-            out_b: list[bytes] = []
-            append = out_b.append
             chain = self._seed if parent is None else self._parent_bytes(parent)
-            for i in range(0, end, step):
-                chain = _sha256(chain + data[i : i + step]).digest()
-                append(chain)
-            return tuple(out_b)
-        out_i: list[int] = []
-        append_i = out_i.append
+            return chain_sha256(chain, data, step, end)
         if parent is None:
             lo = int.from_bytes(self._seed[:4], "little")
             hi = int.from_bytes(self._seed[4:8], "little")
         else:
             value = self._parent_int(parent)
             lo, hi = value & 0xFFFFFFFF, value >> 32
-        for i in range(0, end, step):
-            chunk = data[i : i + step]
-            lo = _crc32(chunk, lo ^ hi)
-            hi = _crc32(chunk, hi ^ 0x9E3779B9 ^ lo)
-            append_i((hi << 32) | lo)
-        return tuple(out_i)
+        return chain_crc(lo, hi, data, step, end)
 
     @staticmethod
     def _parent_bytes(parent: BlockHash) -> bytes:

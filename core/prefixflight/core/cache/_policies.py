@@ -14,7 +14,7 @@ from collections.abc import Container, Iterable, Mapping, Sequence
 from typing import Protocol, final
 
 from .._errors import CapacityError, UsageError
-from .._validate import check_int, check_ratio
+from .._validate import CheckedFloat, CheckedInt, check_int, check_ratio
 from ._hashing import BlockHash
 
 __all__ = ["LRU", "S3FIFO", "EvictionPolicy"]
@@ -210,10 +210,10 @@ class S3FIFO(_Residency):
 
     def __init__(
         self,
-        capacity: int,
-        small_ratio: float = 0.1,
-        max_freq: int = 3,
-        ghost_admit_freq: int = 0,
+        capacity: CheckedInt,
+        small_ratio: CheckedFloat = 0.1,
+        max_freq: CheckedInt = 3,
+        ghost_admit_freq: CheckedInt = 0,
     ) -> None:
         check_int("capacity", capacity, minimum=0)
         small_ratio = check_ratio("small_ratio", small_ratio)
@@ -574,7 +574,7 @@ class LRU(_Residency):
 
     __slots__ = ("_capacity", "_order")
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: CheckedInt) -> None:
         check_int("capacity", capacity, minimum=0)
         self._capacity = capacity
         self._order: OrderedDict[BlockHash, None] = OrderedDict()  # LRU first
