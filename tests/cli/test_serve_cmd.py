@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
     [
         (["--port", "70000"], "a port is at most 65535, got '70000'"),
         (["--port", "x"], "expected an int, got 'x'"),
-        (["--num-pages", "0"], "must be >= 1, got '0'"),
+        (["--num-pages", "0"], "must be >= 1, got 0"),
         (["--release-policy", "sometimes"], "invalid choice: 'sometimes'"),
         (["--max-running", "8", "--max-batch-tokens", "4"], "--max-batch-tokens (4) must be"),
         (["--model", "gpt2"], "invalid choice: 'gpt2'"),

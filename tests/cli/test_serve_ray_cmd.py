@@ -34,7 +34,7 @@ def test_the_tiny_model_needs_replicas(capsys: pytest.CaptureFixture[str]) -> No
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--replicas", "0"], "must be >= 1, got '0'"),
+        (["--replicas", "0"], "must be >= 1, got 0"),
         (["--router", "random"], "invalid choice: 'random'"),
         (["--burst", "x"], "expected an int, got 'x'"),
     ],

@@ -16,6 +16,7 @@ from typing import Any
 
 from prefixflight.core import UsageError
 
+from ._args import at_least
 from ._bench_cmd import prepare_torch_process
 from ._serve_ray_cmd import add_ray_arguments, run_ray
 
@@ -25,21 +26,8 @@ MODELS = ("smollm2", "tiny")
 RELEASE_POLICIES = ("after_prefill", "on_completion", "independent")  # ReleasePolicy's values
 
 
-def _int_at_least(minimum: int) -> Any:
-    def parse(value: str) -> int:
-        try:
-            n = int(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an int, got {value!r}") from None
-        if n < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value!r}")
-        return n
-
-    return parse
-
-
 def _port(value: str) -> int:
-    n = _int_at_least(0)(value)
+    n = at_least(0)(value)
     if n > 65535:
         raise argparse.ArgumentTypeError(f"a port is at most 65535, got {value!r}")
     return int(n)
@@ -71,14 +59,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--port", type=_port, default=8000, help="default 8000; 0 picks a free port")
     p.add_argument(
         "--num-pages",
-        type=_int_at_least(1),
+        type=at_least(1),
         default=512,
         metavar="N",
         help="KV pool pages (default 512)",
     )
     p.add_argument(
         "--block-size",
-        type=_int_at_least(1),
+        type=at_least(1),
         default=16,
         metavar="B",
         help="tokens per page and cached block (default 16)",
@@ -92,7 +80,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument(
         "--min-shared-blocks",
-        type=_int_at_least(1),
+        type=at_least(1),
         default=None,
         metavar="K",
         help="also share a flight's prefix with requests that share K leading "
@@ -100,21 +88,21 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument(
         "--max-running",
-        type=_int_at_least(1),
+        type=at_least(1),
         default=16,
         metavar="N",
         help="requests decoding at once (default 16)",
     )
     p.add_argument(
         "--max-waiting",
-        type=_int_at_least(0),
+        type=at_least(0),
         default=64,
         metavar="N",
         help="requests that may queue beyond --max-running before 429 (default 64)",
     )
     p.add_argument(
         "--max-batch-tokens",
-        type=_int_at_least(1),
+        type=at_least(1),
         default=1024,
         metavar="N",
         help="tokens per engine step (default 1024)",
@@ -140,7 +128,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (CUDA)")
     p.add_argument(
         "--threads",
-        type=_int_at_least(1),
+        type=at_least(1),
         default=None,
         metavar="N",
         help="torch CPU threads (default: torch's choice)",

@@ -17,19 +17,11 @@ from typing import Any
 
 from prefixflight.core import UsageError
 
+from ._args import at_least
+
 __all__ = ["add_ray_arguments", "run_ray"]
 
 ROUTER_CHOICES = ("burst", "prefix", "pow2")
-
-
-def _positive(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int, got {value!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value!r}")
-    return n
 
 
 def add_ray_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,7 +29,7 @@ def add_ray_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("Ray Serve (extra 'ray')")
     g.add_argument(
         "--replicas",
-        type=_positive,
+        type=at_least(1),
         default=None,
         metavar="N",
         help="run N engine replicas on a local Ray Serve instead of one HTTP server",
@@ -49,24 +41,24 @@ def add_ray_arguments(p: argparse.ArgumentParser) -> None:
         help="burst: prefixflight's burst router; prefix: Ray's PrefixCacheAffinityRouter; "
         "pow2: Ray's default power of two choices (default burst)",
     )
-    g.add_argument("--window-ms", type=_positive, default=100, help="burst window (default 100)")
+    g.add_argument("--window-ms", type=at_least(1), default=100, help="burst window (default 100)")
     g.add_argument(
-        "--num-cpus", type=_positive, default=None, help="CPUs Ray may use (default: all)"
+        "--num-cpus", type=at_least(1), default=None, help="CPUs Ray may use (default: all)"
     )
     g.add_argument(
         "--torch-threads",
-        type=_positive,
+        type=at_least(1),
         default=None,
         help="torch threads per replica (default: cores / replicas, at least 1)",
     )
     g.add_argument(
         "--burst",
-        type=_positive,
+        type=at_least(1),
         default=8,
         metavar="K",
         help="send K identical prompts at once and show where they landed (default 8)",
     )
-    g.add_argument("--max-tokens", type=_positive, default=8, help="tokens per request")
+    g.add_argument("--max-tokens", type=at_least(1), default=8, help="tokens per request")
     g.add_argument(
         "--keep", action="store_true", help="keep serving after the burst, until Ctrl-C"
     )
