@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from typing import Any, NoReturn, TypeAlias, TypeVar, cast
+from typing import Any, NoReturn, TypeAlias, cast
 
 from ._errors import ConfigError, UsageError
 
@@ -36,7 +36,6 @@ __all__ = [
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
 
-_E = TypeVar("_E", bound=UsageError)
 
 # Annotate a public parameter with these (not ``int``/``float``) when the function checks it
 # with `check_int`/`check_ratio` and is compiled by the optional mypyc build

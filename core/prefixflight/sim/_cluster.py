@@ -50,6 +50,7 @@ from prefixflight.core import (
     TraceRecord,
     UsageError,
 )
+from prefixflight.core._validate import check_int
 
 __all__ = [
     "ClusterConfig",
@@ -75,17 +76,12 @@ def _positive(name: str, value: object, *, zero_ok: bool = False) -> None:
         )
 
 
-def _count(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{name} must be an int >= {minimum}, got {value!r}")
-
-
 def _span(name: str, value: object, minimum: int) -> tuple[int, int]:
     if not (isinstance(value, tuple) and len(value) == 2):
         raise ConfigError(f"{name} must be a (low, high) pair, got {value!r}")
     lo, hi = value
-    _count(f"{name} low", lo, minimum)
-    _count(f"{name} high", hi, minimum)
+    check_int(f"{name} low", lo, minimum=minimum)
+    check_int(f"{name} high", hi, minimum=minimum)
     if lo > hi:
         raise ConfigError(f"{name} low must be <= high, got {value!r}")
     return lo, hi
@@ -102,9 +98,9 @@ class ClusterConfig:
     decode_s_per_step: float = 0.025
 
     def __attrs_post_init__(self) -> None:
-        _count("replicas", self.replicas, 1)
-        _count("cache_capacity_blocks", self.cache_capacity_blocks, 0)
-        _count("engine_block_size", self.engine_block_size, 1)
+        check_int("replicas", self.replicas, minimum=1)
+        check_int("cache_capacity_blocks", self.cache_capacity_blocks, minimum=0)
+        check_int("engine_block_size", self.engine_block_size, minimum=1)
         _positive("prefill_s_per_token", self.prefill_s_per_token, zero_ok=True)
         _positive("decode_s_per_step", self.decode_s_per_step)
 
@@ -168,16 +164,16 @@ def grpo_workload(
 
     ``shared_prefix_tokens`` prepends one system prompt to every prompt of the run.
     """
-    _count("steps", steps, 1)
-    _count("prompts_per_step", prompts_per_step, 1)
-    _count("samples", samples, 1)
+    check_int("steps", steps, minimum=1)
+    check_int("prompts_per_step", prompts_per_step, minimum=1)
+    check_int("samples", samples, minimum=1)
     p_lo, p_hi = _span("prompt_tokens", prompt_tokens, 1)
     o_lo, o_hi = _span("output_tokens", output_tokens, 1)
-    _count("shared_prefix_tokens", shared_prefix_tokens, 0)
+    check_int("shared_prefix_tokens", shared_prefix_tokens, minimum=0)
     _positive("burst_s", burst_s, zero_ok=True)
-    _count("route_block_size", route_block_size, 1)
-    _count("engine_block_size", engine_block_size, 1)
-    _count("vocab", vocab, 2)
+    check_int("route_block_size", route_block_size, minimum=1)
+    check_int("engine_block_size", engine_block_size, minimum=1)
+    check_int("vocab", vocab, minimum=2)
     route_hasher = BlockHasher(block_size=route_block_size, include_partial=True)
     cache_hasher = BlockHasher(block_size=engine_block_size)
     system = _tokens(rng, shared_prefix_tokens, vocab)
@@ -245,13 +241,13 @@ def trace_workload(
     Mooncake traces); routers and caches both use them. Each record (with its clones) is
     one group and one step.
     """
-    _count("clones", clones, 1)
+    check_int("clones", clones, minimum=1)
     _positive("jitter_s", jitter_s, zero_ok=True)
     _positive("time_scale", time_scale)
-    _count("default_output_tokens", default_output_tokens, 1)
-    _count("block_size", block_size, 1)
+    check_int("default_output_tokens", default_output_tokens, minimum=1)
+    check_int("block_size", block_size, minimum=1)
     if limit is not None:
-        _count("limit", limit, 1)
+        check_int("limit", limit, minimum=1)
     out: list[SimRequest] = []
     t0: float | None = None
     for index, rec in enumerate(records):

@@ -41,7 +41,7 @@ from prefixflight.core import (
     StepResult,
     UsageError,
 )
-from prefixflight.core._validate import check_int
+from prefixflight.core._validate import check_int, instance_field, int_field, optional_int_field
 
 from ._runner import TransformersRunner
 from ._sampling import SamplingParams
@@ -51,11 +51,6 @@ __all__ = ["AsyncEngine", "EngineClosedError", "EngineConfig", "Generation"]
 
 class EngineClosedError(PrefixflightError):
     """The engine was closed (or failed) before this request could finish."""
-
-
-def _check_policy(_i: object, _a: object, value: object) -> None:
-    if not isinstance(value, ReleasePolicy):
-        raise ConfigError(f"release_policy must be a ReleasePolicy, got {value!r}")
 
 
 def _check_eviction(_i: object, _a: object, value: object) -> None:
@@ -68,18 +63,6 @@ def _check_max_wait(_i: object, _a: object, value: Any) -> None:
         isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0
     ):
         raise ConfigError(f"max_wait must be None or a number of seconds >= 0, got {value!r}")
-
-
-def _check_min_shared(_i: object, _a: object, value: int | None) -> None:
-    if value is not None:
-        check_int("min_shared_blocks", value, minimum=1)
-
-
-def _positive(name: str) -> Callable[[object, object, object], None]:
-    def check(_i: object, _a: object, value: object) -> None:
-        check_int(name, value, minimum=1)
-
-    return check
 
 
 @attrs.frozen(kw_only=True)
@@ -102,16 +85,16 @@ class EngineConfig:
     """
 
     release_policy: ReleasePolicy = attrs.field(
-        default=ReleasePolicy.AFTER_PREFILL, validator=_check_policy
+        default=ReleasePolicy.AFTER_PREFILL, validator=instance_field(ReleasePolicy)
     )
     incremental_publication: bool = True
-    num_pages: int = attrs.field(default=1024, validator=_positive("num_pages"))
-    page_size: int = attrs.field(default=16, validator=_positive("page_size"))
-    max_batch_tokens: int = attrs.field(default=1024, validator=_positive("max_batch_tokens"))
-    max_running: int = attrs.field(default=16, validator=_positive("max_running"))
+    num_pages: int = attrs.field(default=1024, validator=int_field(1))
+    page_size: int = attrs.field(default=16, validator=int_field(1))
+    max_batch_tokens: int = attrs.field(default=1024, validator=int_field(1))
+    max_running: int = attrs.field(default=16, validator=int_field(1))
     eviction: str = attrs.field(default="lru", validator=_check_eviction)
     max_wait: float | None = attrs.field(default=None, validator=_check_max_wait)
-    min_shared_blocks: int | None = attrs.field(default=None, validator=_check_min_shared)
+    min_shared_blocks: int | None = attrs.field(default=None, validator=optional_int_field(1))
 
     def __attrs_post_init__(self) -> None:
         if self.max_batch_tokens < self.max_running:
