@@ -74,8 +74,11 @@ def parse_trace_line(text: str | bytes, *, source: str = "<trace>", line: int = 
     if not isinstance(ids, list):
         raise TraceFormatError(source, line, "hash_ids", f"expected a list, got {ids!r}"[:200])
     if not _INT.issuperset(map(type, ids)):  # exactly int: json makes no subclasses but bool
-        bad = next(h for h in ids if type(h) is not int)
-        raise TraceFormatError(source, line, "hash_ids", f"expected a list of ints, found {bad!r}")
+        # (a name of its own: ``bad`` above is a str, and the compiled build keeps that type)
+        wrong = next(h for h in ids if type(h) is not int)
+        raise TraceFormatError(
+            source, line, "hash_ids", f"expected a list of ints, found {wrong!r}"
+        )
     ts = obj.get("timestamp")
     if ts is not None:
         if isinstance(ts, bool) or not isinstance(ts, (int, float)):
