@@ -49,6 +49,7 @@ __all__ = [
     "FirstToken",
     "GenerateRequest",
     "GenerateResult",
+    "ObservesRoutingStats",
     "ResidencyFirstRouter",
     "ResidencySource",
     "RoutingState",
@@ -233,6 +234,14 @@ class ResidencySource(Protocol):
     def drop_replica(self, replica: str) -> None:
         """``replica`` is gone: forget its blocks."""
         ...
+
+
+@runtime_checkable
+class ObservesRoutingStats(Protocol):
+    """A `ResidencySource` that also reads the replicas' routing stats (e.g. to learn where
+    each replica publishes its KV events); `RoutingState.observe` passes every report on."""
+
+    def observe(self, replica: str, stats: Mapping[str, Any] | None) -> None: ...
 
 
 @final
@@ -439,7 +448,11 @@ class RoutingState:
 
     def observe(self, replica: str, stats: Mapping[str, Any] | None) -> None:
         """A replica's latest ``record_routing_stats``: with ``stats_residency``, a new report
-        (its ``version`` changed) replaces the replica's resident blocks."""
+        (its ``version`` changed) replaces the replica's resident blocks; a residency source
+        that `ObservesRoutingStats` gets every report."""
+        source: object = self._residency
+        if isinstance(source, ObservesRoutingStats):
+            source.observe(replica, stats)
         if self._snapshots is None or not stats:
             return
         blocks = stats.get("resident_blocks")
@@ -513,6 +526,11 @@ class RoutingState:
     def consumed(self, request_id: str) -> None:
         """The request was sent to its replica: forget its decision."""
         self._decided.pop(request_id, None)
+
+    @property
+    def residency(self) -> ResidencySource | None:
+        """The residency source (``None`` without one)."""
+        return self._residency
 
     def drop_replica(self, name: str) -> tuple[str, ...]:
         """Forget replica ``name``; returns the withdrawn (decided, unsent) request ids."""
