@@ -560,7 +560,8 @@ class KVEventSubscriber:
 
     Drive it from one thread: `poll` (bounded waits) or `start` (a background thread that
     polls until `close`). The index is read with plain membership tests, which are safe from
-    another thread.
+    another thread. `add_publisher` / `remove_publisher` change the replicas followed at run
+    time (``publishers`` may start empty).
     """
 
     def __init__(

@@ -5,14 +5,13 @@ Nothing here imports Ray (or torch): the mapping and the window logic are tested
 objects. `BurstRequestRouter` (``_router.py``) is the thin glue that calls `RoutingState` from
 Ray Serve's event loop, passing the loop's time as a value.
 
-The seam for real cache residency is `ResidencySource`: a per-replica view of which engine
+Real cache residency comes through `ResidencySource`: a per-replica view of which engine
 blocks each replica holds. Without one, requests that the burst window leaves alone
 (`NoAffinity`) go to the fallback router, llm-d's approximate prefix scorer
-(`ApproxPrefixRouter`), which *assumes* a replica caches what it was sent. A KV-event
-subscriber (replicas publish vLLM-shaped ``BlockStored`` / ``BlockRemoved`` /
-``AllBlocksCleared`` events; the router process keeps per-replica block indexes) plugs in by
-implementing `ResidencySource`; `BlockSetResidency` is the minimal in-process index such a
-subscriber would feed.
+(`ApproxPrefixRouter`), which *assumes* a replica caches what it was sent. Two sources are
+built: `BlockSetResidency`, fed by the block snapshots in the replicas' routing stats, and
+``KVEventResidency`` (``_kv_residency.py``), a KV-event subscriber following every replica's
+publisher (vLLM-shaped ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` events).
 """
 
 from __future__ import annotations
@@ -215,12 +214,12 @@ def replica_load(
     )
 
 
-# -- the residency seam --------------------------------------------------------------------
+# -- residency -----------------------------------------------------------------------------
 
 
 @runtime_checkable
 class ResidencySource(Protocol):
-    """Which engine blocks each replica holds (the KV-event seam).
+    """Which engine blocks each replica holds (`BlockSetResidency`, ``KVEventResidency``).
 
     ``blocks`` are the prompt's chained full-block hashes as the replicas' prefix caches key
     them (``BlockHasher(block_size=engine_block_size, namespace=...)``); replicas are named
