@@ -168,3 +168,40 @@ def test_an_unstarted_subscriber_adds_and_removes_publishers_at_once() -> None:
         with pytest.raises(UsageError, match="non-empty"):
             sub.remove_publisher("")
         sub.remove_publisher("never-followed")
+
+
+@pytest.mark.torch
+def test_a_real_engine_replica_publishes_what_the_router_hashes() -> None:
+    """An `EngineReplica` outside Serve (a real tiny engine): its stats name its publisher, and
+    the router's engine blocks for a prompt are the keys its KV events carry."""
+    pytest.importorskip("torch")
+    import asyncio
+
+    from prefixflight.serve.ray import EngineReplica, ModelSpec
+
+    engine = EngineReplica(ModelSpec.tiny(), kv_events=True, report_blocks=0)
+    kv = KVEventResidency()
+    try:
+        name = engine.name
+        stats = asyncio.run(engine.record_routing_stats())
+        assert stats["resident_blocks"] == []
+        address = engine.kv_event_source()
+        assert address is not None and address.endpoint.startswith("tcp://127.0.0.1:")
+        assert publisher_address(stats) == address
+        state = RoutingState(residency=kv, engine_block_size=BS)
+        state.observe(name, stats)
+        ids = prompt(6, 50)  # three full pages of 16 and a partial one
+        req = GenerateRequest(prompt_ids=ids, max_tokens=2, namespace="tenant")
+        result = asyncio.run(engine.generate(req))
+        assert result.prompt_tokens == 50
+        blocks = state.engine_blocks(req)
+        assert len(blocks) == 3
+        wait_for(lambda: kv.resident_prefix(name, blocks) == 3, "the engine's blocks")
+        other = state.engine_blocks(GenerateRequest(prompt_ids=ids))  # another namespace
+        assert kv.resident_prefix(name, other) == 0
+    finally:
+        kv.close()
+        engine.close()
+    engine.close()  # idempotent
+    assert engine.kv_event_source() is None
+    assert EngineReplica(ModelSpec.tiny()).kv_event_source() is None  # not asked to publish

@@ -245,13 +245,16 @@ class EngineReplica:
 
         return PublisherAddress(pub.endpoint, pub.replay_endpoint)
 
-    def __del__(self) -> None:
-        """Serve calls this when the replica shuts down: close the publisher (sending what
-        is pending)."""
+    def close(self) -> None:
+        """Close the KV-event publisher, sending what is pending (idempotent)."""
         pub = getattr(self, "_publisher", None)
         if pub is not None:
             self._publisher = None
             pub.close(timeout_s=1.0)
+
+    def __del__(self) -> None:
+        """Serve calls this when the replica shuts down."""
+        self.close()
 
 
 def _replica_name() -> str:

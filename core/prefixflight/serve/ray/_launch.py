@@ -103,7 +103,13 @@ def run_local(
         request_router_config=config,
     )
     kv_events = dict(router_kwargs or {}).get("residency_source") == "kv_events"
-    app = deployment.bind(model or ModelSpec.tiny(), engine_config, threads, kv_events=kv_events)
+    app = deployment.bind(
+        model or ModelSpec.tiny(),
+        engine_config,
+        threads,
+        report_blocks=0 if kv_events else 4096,  # the router reads the events, not snapshots
+        kv_events=kv_events,
+    )
     return serve.run(app, name=app_name, route_prefix=None)
 
 
