@@ -18,7 +18,9 @@ def test_flags_parse_with_defaults() -> None:
         100,
         8,
     )
-    assert not args.keep
+    assert not args.keep and args.residency == "none"
+    args = build_parser().parse_args(["serve", "--replicas", "2", "--residency", "kv_events"])
+    assert args.residency == "kv_events"
     assert build_parser().parse_args(["serve"]).replicas is None  # one engine over HTTP
 
 
@@ -37,6 +39,7 @@ def test_the_tiny_model_needs_replicas(capsys: pytest.CaptureFixture[str]) -> No
         (["--replicas", "0"], "must be >= 1, got 0"),
         (["--router", "random"], "invalid choice: 'random'"),
         (["--burst", "x"], "expected an int, got 'x'"),
+        (["--residency", "guess"], "invalid choice: 'guess'"),
     ],
 )
 def test_bad_flags_are_usage_errors(
@@ -46,3 +49,11 @@ def test_bad_flags_are_usage_errors(
         build_parser().parse_args(["serve", *argv])
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_residency_needs_the_burst_router(capsys: pytest.CaptureFixture[str]) -> None:
+    from prefixflight.cli import main
+
+    argv = ["serve", "--replicas", "2", "--router", "pow2", "--residency", "kv_events"]
+    assert main([*argv, "--model", "tiny"]) == 1  # refused before Ray starts
+    assert "--residency kv_events needs --router burst" in capsys.readouterr().err

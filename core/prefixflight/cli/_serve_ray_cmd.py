@@ -22,6 +22,7 @@ from ._args import at_least
 __all__ = ["add_ray_arguments", "run_ray"]
 
 ROUTER_CHOICES = ("burst", "prefix", "pow2")
+RESIDENCY_CHOICES = ("none", "stats", "kv_events")
 
 
 def add_ray_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,6 +43,15 @@ def add_ray_arguments(p: argparse.ArgumentParser) -> None:
         "pow2: Ray's default power of two choices (default burst)",
     )
     g.add_argument("--window-ms", type=at_least(1), default=100, help="burst window (default 100)")
+    g.add_argument(
+        "--residency",
+        choices=RESIDENCY_CHOICES,
+        default="none",
+        help="what the burst router knows of the replicas' caches for requests its window "
+        "leaves alone (token-id prompts only): none (the approximate scorer's guess), stats "
+        "(block snapshots in the routing stats) or kv_events (each replica publishes its KV "
+        "events; the router follows them) (default none)",
+    )
     g.add_argument(
         "--num-cpus", type=at_least(1), default=None, help="CPUs Ray may use (default: all)"
     )
@@ -66,6 +76,13 @@ def add_ray_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_ray(args: argparse.Namespace) -> int:
     """Start the replicas, send the burst, print the placement; 0 on success."""
+    kwargs: dict[str, Any] = {}
+    if args.router == "burst":
+        kwargs["window_ms"] = args.window_ms
+        if args.residency != "none":
+            kwargs["residency_source"] = args.residency
+    elif args.residency != "none":
+        raise UsageError(f"--residency {args.residency} needs --router burst")
     try:
         import ray.serve  # noqa: F401
     except ImportError as exc:  # pragma: no cover - depends on the install
@@ -77,7 +94,6 @@ def run_ray(args: argparse.Namespace) -> int:
     from prefixflight.serve.ray import GenerateRequest, ModelSpec, run_local, shutdown
 
     model = ModelSpec.tiny() if args.model == "tiny" else ModelSpec.smollm2()
-    kwargs = {"window_ms": args.window_ms} if args.router == "burst" else {}
     handle = run_local(
         args.replicas,
         args.router,

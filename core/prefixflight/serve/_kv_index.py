@@ -267,6 +267,10 @@ class ClusterBlockIndex:
     def apply_batch(self, name: str, batch: WireBatch) -> None:
         self.replica(name).apply_batch(batch)
 
+    def drop(self, name: str) -> None:
+        """Forget ``name``'s index (a replica that left); unknown names are ignored."""
+        self._replicas.pop(name, None)
+
     def prefix_blocks(self, replica: str, blocks: Sequence[BlockHash]) -> int:
         index = self._replicas.get(replica)
         return 0 if index is None else index.prefix_blocks(blocks)

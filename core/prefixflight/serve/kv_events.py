@@ -536,6 +536,17 @@ class PublisherAddress:
     replay_endpoint: str | None = None
 
 
+def _address(
+    name: object, addr: object, *, error: type[UsageError] = ConfigError
+) -> PublisherAddress:
+    if not isinstance(name, str) or not name:
+        raise error(f"replica ids must be non-empty strs, got {name!r}")
+    a = PublisherAddress(addr) if isinstance(addr, str) else addr
+    if not isinstance(a, PublisherAddress):
+        raise error(f"expected a PublisherAddress or an endpoint, got {addr!r}")
+    return a
+
+
 class KVEventSubscriber:
     """Follows KV-event publishers (ours or vLLM's) and keeps a per-replica block index.
 
@@ -549,7 +560,8 @@ class KVEventSubscriber:
 
     Drive it from one thread: `poll` (bounded waits) or `start` (a background thread that
     polls until `close`). The index is read with plain membership tests, which are safe from
-    another thread.
+    another thread. `add_publisher` / `remove_publisher` change the replicas followed at run
+    time (``publishers`` may start empty).
     """
 
     def __init__(
@@ -563,25 +575,16 @@ class KVEventSubscriber:
         on_error: Callable[[str, Exception], None] | None = None,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
     ) -> None:
-        if not publishers:
-            raise ConfigError("at least one publisher is needed, got none")
-        addresses: dict[str, PublisherAddress] = {}
-        for name, addr in publishers.items():
-            if not isinstance(name, str) or not name:
-                raise ConfigError(f"replica ids must be non-empty strs, got {name!r}")
-            a = PublisherAddress(addr) if isinstance(addr, str) else addr
-            if not isinstance(a, PublisherAddress):
-                raise ConfigError(f"expected a PublisherAddress or an endpoint, got {addr!r}")
-            addresses[name] = a
+        addresses = {name: _address(name, addr) for name, addr in publishers.items()}
         if index is not None and hasher is not None:
             raise ConfigError("give either index= or hasher=, not both")
         self._index = ClusterBlockIndex(hasher=hasher) if index is None else index
-        self._addresses = addresses
+        self._addresses: dict[str, PublisherAddress] = {}
         self._topic = topic.encode("utf-8")
         self._replay_timeout_ms = max(1, int(replay_timeout_s * 1000))
         self._on_error = on_error
         self._ctx = zmq.Context.instance() if context is None else context
-        self._feeds = {name: ReplicaFeed(self._index.replica(name)) for name in addresses}
+        self._feeds: dict[str, ReplicaFeed] = {}
         self._subs: dict[str, zmq.Socket[bytes]] = {}
         self._by_socket: dict[zmq.Socket[bytes], str] = {}
         self._dealers: dict[str, zmq.Socket[bytes]] = {}
@@ -592,13 +595,11 @@ class KVEventSubscriber:
         self._applied = threading.Condition()
         self._thread: threading.Thread | None = None
         self._topics: dict[str, str] = {}
+        self._changes: queue.SimpleQueue[tuple[str, PublisherAddress | None]] = (
+            queue.SimpleQueue()
+        )
         for name, a in addresses.items():
-            sub = self._ctx.socket(zmq.SUB)
-            sub.setsockopt(zmq.SUBSCRIBE, self._topic)
-            sub.connect(a.endpoint)
-            self._subs[name] = sub
-            self._by_socket[sub] = name
-            self._poller.register(sub, zmq.POLLIN)
+            self._follow(name, a)
 
     # -- views --------------------------------------------------------------------------------
     @property
@@ -608,6 +609,12 @@ class KVEventSubscriber:
     @property
     def feeds(self) -> Mapping[str, ReplicaFeed]:
         return dict(self._feeds)
+
+    @property
+    def publishers(self) -> Mapping[str, PublisherAddress]:
+        """The replicas followed now (changes made by `add_publisher` / `remove_publisher`
+        after `start` show once the subscriber's thread has applied them)."""
+        return dict(self._addresses)
 
     @property
     def errors(self) -> int:
@@ -622,6 +629,75 @@ class KVEventSubscriber:
         t = self._topics.get(replica)
         return None if t is None else parse_topic(t)
 
+    # -- the publishers followed ---------------------------------------------------------------
+    def add_publisher(self, replica: str, address: PublisherAddress | str) -> None:
+        """Follow ``replica``'s publisher too (from any thread): its index starts empty and is
+        filled through its replay socket, then live. Adding a replica already followed at the
+        same address does nothing; at another address (a restarted publisher), its index
+        starts over. After `start`, the subscriber's thread applies the change at its next
+        poll."""
+        if not isinstance(replica, str) or not replica:
+            raise UsageError(f"replica ids must be non-empty strs, got {replica!r}")
+        a = _address(replica, address, error=UsageError)
+        self._change(replica, a)
+
+    def remove_publisher(self, replica: str) -> None:
+        """Stop following ``replica`` (from any thread; unknown names are ignored): its
+        sockets close and its index is dropped."""
+        if not isinstance(replica, str) or not replica:
+            raise UsageError(f"replica ids must be non-empty strs, got {replica!r}")
+        self._change(replica, None)
+
+    def _change(self, replica: str, address: PublisherAddress | None) -> None:
+        if self._closed:
+            raise UsageError("the subscriber is closed")
+        if self._thread is None:
+            self._apply_change(replica, address)
+        else:
+            self._changes.put((replica, address))
+
+    def _apply_changes(self) -> int:
+        applied = 0
+        while True:
+            try:
+                replica, address = self._changes.get_nowait()
+            except queue.Empty:
+                return applied
+            applied += self._apply_change(replica, address)
+
+    def _apply_change(self, replica: str, address: PublisherAddress | None) -> int:
+        if address is not None and self._addresses.get(replica) == address:
+            return 0
+        self._unfollow(replica)
+        if address is None:
+            return 0
+        self._follow(replica, address)
+        return self._replay(replica, 0)  # what it published before we connected
+
+    def _follow(self, name: str, address: PublisherAddress) -> None:
+        self._addresses[name] = address
+        self._feeds[name] = ReplicaFeed(self._index.replica(name))
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, self._topic)
+        sub.connect(address.endpoint)
+        self._subs[name] = sub
+        self._by_socket[sub] = name
+        self._poller.register(sub, zmq.POLLIN)
+
+    def _unfollow(self, name: str) -> None:
+        if self._addresses.pop(name, None) is None:
+            return
+        self._feeds.pop(name, None)
+        self._topics.pop(name, None)
+        self._index.drop(name)
+        sub = self._subs.pop(name)
+        self._poller.unregister(sub)
+        del self._by_socket[sub]
+        sub.close(linger=0)
+        dealer = self._dealers.pop(name, None)
+        if dealer is not None:
+            dealer.close(linger=0)
+
     # -- driving ------------------------------------------------------------------------------
     def poll(self, timeout_s: float = 0.0) -> int:
         """Apply what has arrived, waiting up to ``timeout_s`` for the first message; return
@@ -630,7 +706,10 @@ class KVEventSubscriber:
             raise UsageError("the subscriber polls in its own thread since start()")
         if self._closed:
             raise UsageError("the subscriber is closed")
-        applied = 0
+        applied = self._apply_changes()
+        if not self._subs:  # zmq returns at once from an empty poll: wait here instead
+            self._stop.wait(max(0.0, timeout_s))
+            return applied + self._apply_changes()
         ready = dict(self._poller.poll(max(0, int(timeout_s * 1000))))
         for sock in ready:
             name = self._by_socket[sock]

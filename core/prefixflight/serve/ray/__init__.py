@@ -7,10 +7,11 @@
 - `EngineReplica`, `ModelSpec`: the deployment (handle API: ``generate(GenerateRequest)``
   -> `GenerateResult`; coarse cache state via ``record_routing_stats``).
 - Ray-free (importable without Ray): `GenerateRequest`, `GenerateResult`, `RoutingState`,
-  `replica_load`, `find_request`, and the KV-event seam `ResidencySource` /
-  `BlockSetResidency`.
+  `replica_load`, `find_request`, and residency: the `ResidencySource` protocol,
+  `BlockSetResidency` (fed by the replicas' stats snapshots) and `KVEventResidency` (a
+  subscriber following the replicas' KV-event publishers; needs the ``serve`` extra).
 
-Names that need Ray are imported on first use, so the Ray-free ones work without it.
+Names that need Ray (or ZMQ) are imported on first use, so the Ray-free ones work without it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ._adapter import (
     FirstToken,
     GenerateRequest,
     GenerateResult,
+    ObservesRoutingStats,
     ResidencyFirstRouter,
     ResidencySource,
     RoutingState,
@@ -34,10 +36,12 @@ from ._deployment import TINY_LLAMA, CharTokenizer, EngineReplica, ModelSpec
 from ._launch import ROUTERS, RouterName, router_config, run_local, shutdown
 
 if TYPE_CHECKING:
+    from ._kv_residency import KV_ENDPOINT_KEYS, KVEventResidency
     from ._router import BurstRequestRouter
 
 __all__ = [
     "ROUTERS",
+    "KV_ENDPOINT_KEYS",
     "ROUTING_STATS_KEYS",
     "TINY_LLAMA",
     "BlockSetResidency",
@@ -48,7 +52,9 @@ __all__ = [
     "FirstToken",
     "GenerateRequest",
     "GenerateResult",
+    "KVEventResidency",
     "ModelSpec",
+    "ObservesRoutingStats",
     "ResidencyFirstRouter",
     "ResidencySource",
     "RouterName",
@@ -66,4 +72,8 @@ def __getattr__(name: str) -> Any:
         from ._router import BurstRequestRouter
 
         return BurstRequestRouter
+    if name in ("KVEventResidency", "KV_ENDPOINT_KEYS"):  # imports ZMQ
+        from . import _kv_residency
+
+        return getattr(_kv_residency, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

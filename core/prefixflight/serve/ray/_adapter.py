@@ -5,14 +5,13 @@ Nothing here imports Ray (or torch): the mapping and the window logic are tested
 objects. `BurstRequestRouter` (``_router.py``) is the thin glue that calls `RoutingState` from
 Ray Serve's event loop, passing the loop's time as a value.
 
-The seam for real cache residency is `ResidencySource`: a per-replica view of which engine
+Real cache residency comes through `ResidencySource`: a per-replica view of which engine
 blocks each replica holds. Without one, requests that the burst window leaves alone
 (`NoAffinity`) go to the fallback router, llm-d's approximate prefix scorer
-(`ApproxPrefixRouter`), which *assumes* a replica caches what it was sent. A KV-event
-subscriber (replicas publish vLLM-shaped ``BlockStored`` / ``BlockRemoved`` /
-``AllBlocksCleared`` events; the router process keeps per-replica block indexes) plugs in by
-implementing `ResidencySource`; `BlockSetResidency` is the minimal in-process index such a
-subscriber would feed.
+(`ApproxPrefixRouter`), which *assumes* a replica caches what it was sent. Two sources are
+built: `BlockSetResidency`, fed by the block snapshots in the replicas' routing stats, and
+``KVEventResidency`` (``_kv_residency.py``), a KV-event subscriber following every replica's
+publisher (vLLM-shaped ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` events).
 """
 
 from __future__ import annotations
@@ -49,6 +48,7 @@ __all__ = [
     "FirstToken",
     "GenerateRequest",
     "GenerateResult",
+    "ObservesRoutingStats",
     "ResidencyFirstRouter",
     "ResidencySource",
     "RoutingState",
@@ -214,12 +214,12 @@ def replica_load(
     )
 
 
-# -- the residency seam --------------------------------------------------------------------
+# -- residency -----------------------------------------------------------------------------
 
 
 @runtime_checkable
 class ResidencySource(Protocol):
-    """Which engine blocks each replica holds (the KV-event seam).
+    """Which engine blocks each replica holds (`BlockSetResidency`, ``KVEventResidency``).
 
     ``blocks`` are the prompt's chained full-block hashes as the replicas' prefix caches key
     them (``BlockHasher(block_size=engine_block_size, namespace=...)``); replicas are named
@@ -233,6 +233,14 @@ class ResidencySource(Protocol):
     def drop_replica(self, replica: str) -> None:
         """``replica`` is gone: forget its blocks."""
         ...
+
+
+@runtime_checkable
+class ObservesRoutingStats(Protocol):
+    """A `ResidencySource` that also reads the replicas' routing stats (e.g. to learn where
+    each replica publishes its KV events); `RoutingState.observe` passes every report on."""
+
+    def observe(self, replica: str, stats: Mapping[str, Any] | None) -> None: ...
 
 
 @final
@@ -439,7 +447,11 @@ class RoutingState:
 
     def observe(self, replica: str, stats: Mapping[str, Any] | None) -> None:
         """A replica's latest ``record_routing_stats``: with ``stats_residency``, a new report
-        (its ``version`` changed) replaces the replica's resident blocks."""
+        (its ``version`` changed) replaces the replica's resident blocks; a residency source
+        that `ObservesRoutingStats` gets every report."""
+        source: object = self._residency
+        if isinstance(source, ObservesRoutingStats):
+            source.observe(replica, stats)
         if self._snapshots is None or not stats:
             return
         blocks = stats.get("resident_blocks")
@@ -513,6 +525,11 @@ class RoutingState:
     def consumed(self, request_id: str) -> None:
         """The request was sent to its replica: forget its decision."""
         self._decided.pop(request_id, None)
+
+    @property
+    def residency(self) -> ResidencySource | None:
+        """The residency source (``None`` without one)."""
+        return self._residency
 
     def drop_replica(self, name: str) -> tuple[str, ...]:
         """Forget replica ``name``; returns the withdrawn (decided, unsent) request ids."""

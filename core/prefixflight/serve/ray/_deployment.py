@@ -16,7 +16,7 @@ import itertools
 import os
 import time
 from collections.abc import AsyncIterator, Mapping
-from typing import Any, Literal, TypeAlias, final
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias, final
 
 import attrs
 
@@ -24,7 +24,12 @@ from prefixflight.core import ConfigError, RequestState
 
 from ._adapter import FirstToken, GenerateRequest, GenerateResult
 
+if TYPE_CHECKING:
+    from ..kv_events import KVEventPublisher, PublisherAddress
+
 __all__ = ["TINY_LLAMA", "CharTokenizer", "EngineReplica", "ModelKind", "ModelSpec"]
+
+_LOOPBACK = "tcp://127.0.0.1:*"
 
 ModelKind: TypeAlias = Literal["llama-config", "smollm2"]
 
@@ -108,7 +113,11 @@ class EngineReplica:
     ``engine_config`` is an `EngineConfig` (``None``: its defaults); ``torch_threads`` sets
     ``torch.set_num_threads`` in this replica (give each replica its share of the cores so
     N replicas do not oversubscribe them); ``report_blocks`` caps the resident block hashes
-    each stats report carries (0: none).
+    each stats report carries (0: none). With ``kv_events``, the engine publishes its prefix
+    cache's KV events (a `KVEventPublisher` on a free loopback port, with a replay socket,
+    flushed after every engine step) and the stats report both endpoints
+    (``kv_endpoint``, ``kv_replay_endpoint``), which is how a router with
+    ``residency_source="kv_events"`` finds them; loopback means one host (one Ray node).
     """
 
     def __init__(
@@ -117,7 +126,9 @@ class EngineReplica:
         engine_config: Any = None,
         torch_threads: int = 1,
         report_blocks: int = 4096,
+        kv_events: bool = False,
     ) -> None:
+        self._publisher: KVEventPublisher | None = None
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         import torch
 
@@ -126,9 +137,17 @@ class EngineReplica:
         torch.set_num_threads(max(1, int(torch_threads)))
         model_obj, tokenizer = _build(model)
         config = EngineConfig() if engine_config is None else engine_config
-        self._engine = AsyncEngine.from_model(model_obj, config, tokenizer=tokenizer, device="cpu")
-        self._sampling = SamplingParams
         self._name = _replica_name()
+        if kv_events:
+            from ..kv_events import KVEventPublisher, kv_topic
+
+            self._publisher = KVEventPublisher(
+                _LOOPBACK, replay_endpoint=_LOOPBACK, topic=kv_topic(self._name, "prefixflight")
+            )
+        self._engine = AsyncEngine.from_model(
+            model_obj, config, tokenizer=tokenizer, device="cpu", event_sink=self._publisher
+        )
+        self._sampling = SamplingParams
         self._requests = 0
         self._prompt_tokens = 0
         self._cached_tokens = 0
@@ -211,12 +230,31 @@ class EngineReplica:
         stats["version"] = self._version
         resident = self._engine.scheduler.cache.policy.resident() if self._report_blocks else ()
         stats["resident_blocks"] = list(itertools.islice(resident, self._report_blocks))
+        source = self.kv_event_source()
+        if source is not None:
+            stats["kv_endpoint"] = source.endpoint
+            stats["kv_replay_endpoint"] = source.replay_endpoint
         return stats
 
-    def kv_event_source(self) -> None:
-        """Seam: where this replica's engine will publish its KV events (its `PrefixCache`
-        event sink) for a `ResidencySource` in the routers; not wired yet."""
-        return None
+    def kv_event_source(self) -> PublisherAddress | None:
+        """Where this replica publishes its KV events (``None`` without ``kv_events``)."""
+        pub = self._publisher
+        if pub is None:
+            return None
+        from ..kv_events import PublisherAddress
+
+        return PublisherAddress(pub.endpoint, pub.replay_endpoint)
+
+    def close(self) -> None:
+        """Close the KV-event publisher, sending what is pending (idempotent)."""
+        pub = getattr(self, "_publisher", None)
+        if pub is not None:
+            self._publisher = None
+            pub.close(timeout_s=1.0)
+
+    def __del__(self) -> None:
+        """Serve calls this when the replica shuts down."""
+        self.close()
 
 
 def _replica_name() -> str:

@@ -71,7 +71,9 @@ def run_local(
 
     ``num_cpus`` is the Ray instance's CPU count (default: this machine's cores); an already
     initialised Ray keeps its own. ``max_ongoing_requests`` is high so that a router's choice
-    is not overruled by Serve's per-replica queue cap during a burst.
+    is not overruled by Serve's per-replica queue cap during a burst. With
+    ``router_kwargs={"residency_source": "kv_events"}`` the replicas publish their KV events
+    for the router to follow.
     """
     import ray as ray_module
     from ray import serve as serve_module
@@ -100,7 +102,14 @@ def run_local(
         ray_actor_options={"num_cpus": cores / replicas},
         request_router_config=config,
     )
-    app = deployment.bind(model or ModelSpec.tiny(), engine_config, threads)
+    kv_events = dict(router_kwargs or {}).get("residency_source") == "kv_events"
+    app = deployment.bind(
+        model or ModelSpec.tiny(),
+        engine_config,
+        threads,
+        report_blocks=0 if kv_events else 4096,  # the router reads the events, not snapshots
+        kv_events=kv_events,
+    )
     return serve.run(app, name=app_name, route_prefix=None)
 
 

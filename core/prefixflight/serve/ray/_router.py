@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import random
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -84,9 +85,11 @@ class BurstRequestRouter(RequestRouter):
         The `BurstConfig` fields (llm-d's names), the engine's page size (to key residency),
         the fallback for requests with no affinity in their window (``"approx"``: llm-d's
         approximate prefix scorer; ``"least_loaded"``), ``residency_source`` (``"stats"``: the
-        resident blocks the replicas report in ``record_routing_stats``; or the import path
-        of a zero-argument factory returning a `ResidencySource`: the KV-event seam) and the
-        most concurrent routing tasks (the largest window this router can form).
+        resident blocks the replicas report in ``record_routing_stats``; ``"kv_events"``: a
+        `KVEventResidency` following the KV-event publishers whose endpoints the replicas
+        report there; or the import path of a zero-argument factory returning a
+        `ResidencySource`) and the most concurrent routing tasks (the largest window this
+        router can form).
         """
         super().initialize_state(**kwargs)  # type: ignore[no-untyped-call]
         config = BurstConfig(
@@ -99,7 +102,12 @@ class BurstRequestRouter(RequestRouter):
             balance_by=cast(Any, balance_by),
         )
         residency: ResidencySource | None = None
-        if residency_source is not None and residency_source != "stats":
+        if residency_source == "kv_events":
+            from ._kv_residency import KVEventResidency
+
+            kv = residency = KVEventResidency()
+            weakref.finalize(self, kv.close)  # no shutdown hook: at collection or exit
+        elif residency_source is not None and residency_source != "stats":
             factory = cast(Callable[[], ResidencySource], load_object(residency_source))
             residency = factory()
         self._state = RoutingState(
