@@ -10,9 +10,10 @@ install fails the run instead of skipping every torch test.
 
 from __future__ import annotations
 
+import asyncio
 import os
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pytest
 
@@ -22,7 +23,13 @@ if os.environ.get("PREFIXFLIGHT_REQUIRE_TORCH") == "1":
     import torch  # noqa: F401  # an ImportError here fails the run: torch is required
     import transformers  # noqa: F401
 
+if TYPE_CHECKING:
+    from prefixflight.backends.torch import AsyncEngine
+
 TINY_FAMILIES = ("llama", "qwen2")
+PAGE = 4
+"""The page size of the engine tests' pools."""
+T = TypeVar("T")
 
 
 def make_tiny_model(family: str, seed: int = 0) -> Any:
@@ -76,3 +83,40 @@ def smollm2() -> Any:
     from prefixflight.backends.torch import load_smollm2
 
     return load_smollm2(device="cpu")
+
+
+# -- shared by the engine tests ---------------------------------------------------------------
+def run(coro_fn: Callable[[], Awaitable[T]]) -> T:
+    """Run one coroutine function on a fresh event loop."""
+
+    async def main() -> T:
+        return await coro_fn()
+
+    return asyncio.run(main())
+
+
+def greedy_reference(model: Any, prompt: list[int], n: int) -> list[int]:
+    """``n`` greedy tokens after ``prompt``, recomputed from scratch by the model alone."""
+    import torch
+
+    seq = list(prompt)
+    with torch.inference_mode():
+        for _ in range(n):
+            seq.append(int(model(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(prompt) :]
+
+
+def engine_for(model: Any, **config: Any) -> AsyncEngine:
+    """An `AsyncEngine` over ``model`` with small pools of `PAGE`-token pages."""
+    from prefixflight.backends.torch import AsyncEngine, EngineConfig
+
+    cfg = EngineConfig(num_pages=128, page_size=PAGE, max_batch_tokens=64, max_running=8, **config)
+    return AsyncEngine.from_model(model, cfg, device="cpu")
+
+
+def prompt_of(seed: int, n: int) -> list[int]:
+    """``n`` random token ids below the tiny models' vocabulary, from ``seed``."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return [int(t) for t in torch.randint(0, 512, (n,), generator=g)]

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 
@@ -31,35 +30,9 @@ from prefixflight.core import (  # noqa: E402
     UsageError,
 )
 
+from .conftest import PAGE, engine_for, greedy_reference, prompt_of, run  # noqa: E402
+
 pytestmark = pytest.mark.torch
-
-T = TypeVar("T")
-PAGE = 4
-
-
-def run(coro_fn: Callable[[], Awaitable[T]]) -> T:
-    async def main() -> T:
-        return await coro_fn()
-
-    return asyncio.run(main())
-
-
-def greedy_reference(model: Any, prompt: list[int], n: int) -> list[int]:
-    seq = list(prompt)
-    with torch.inference_mode():
-        for _ in range(n):
-            seq.append(int(model(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
-    return seq[len(prompt) :]
-
-
-def engine_for(model: Any, **config: Any) -> AsyncEngine:
-    cfg = EngineConfig(num_pages=128, page_size=PAGE, max_batch_tokens=64, max_running=8, **config)
-    return AsyncEngine.from_model(model, cfg, device="cpu")
-
-
-def prompt_of(seed: int, n: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return [int(t) for t in torch.randint(0, 512, (n,), generator=g)]
 
 
 @pytest.mark.parametrize("policy", list(ReleasePolicy))

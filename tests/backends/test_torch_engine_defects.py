@@ -13,8 +13,8 @@ import contextlib
 import gc
 import threading
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -24,34 +24,16 @@ pytest.importorskip("transformers")
 from prefixflight.backends.torch import (  # noqa: E402
     AsyncEngine,
     EngineClosedError,
-    EngineConfig,
     SamplingParams,
     TransformersRunner,
 )
 from prefixflight.core import FinishReason  # noqa: E402
 
+from .conftest import engine_for, prompt_of, run  # noqa: E402
+
 pytestmark = pytest.mark.torch
 
-T = TypeVar("T")
-PAGE = 4
 WAIT = 30.0  # seconds: the bound on every wait for a real condition
-
-
-def run(coro_fn: Callable[[], Awaitable[T]]) -> T:
-    async def main() -> T:
-        return await coro_fn()
-
-    return asyncio.run(main())
-
-
-def engine_for(model: Any, **config: Any) -> AsyncEngine:
-    cfg = EngineConfig(num_pages=128, page_size=PAGE, max_batch_tokens=64, max_running=8, **config)
-    return AsyncEngine.from_model(model, cfg, device="cpu")
-
-
-def prompt_of(seed: int, n: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return [int(t) for t in torch.randint(0, 512, (n,), generator=g)]
 
 
 async def until(condition: Callable[[], bool], what: str) -> None:
