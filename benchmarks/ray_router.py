@@ -362,9 +362,11 @@ def main() -> None:
     ap.add_argument("--route-block", type=int, default=16, help="burst router key block")
     ap.add_argument(
         "--residency",
-        choices=("stats", "none"),
+        choices=("stats", "kv_events", "none"),
         default="stats",
-        help="burst: use the resident blocks replicas report in record_routing_stats",
+        help="burst: route requests its window leaves alone by the replicas' resident blocks, "
+        "as reported in record_routing_stats (stats) or followed through their KV events "
+        "(kv_events)",
     )
     ap.add_argument("--mooncake", type=int, default=48, help="trace records (0: none)")
     ap.add_argument("--mooncake-blocks", type=int, default=8)
@@ -398,7 +400,7 @@ def main() -> None:
                     "window_ms": args.window_ms,
                     "block_size_tokens": args.route_block,
                     "seed": 0,
-                    "residency_source": "stats" if args.residency == "stats" else None,
+                    "residency_source": None if args.residency == "none" else args.residency,
                 }
             print(f"== round {r + 1}: {name}", file=sys.stderr, flush=True)
             handle = run_local(
