@@ -41,15 +41,6 @@ pytestmark = [
 ]
 
 REPLICAS = 3
-TINY = {  # the shape of tests/backends/conftest.py's make_tiny_model("llama")
-    "vocab_size": 512,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "tie_word_embeddings": True,
-}
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +50,7 @@ def handle() -> Iterator[Any]:
         yield run_local(
             REPLICAS,
             "burst",
-            ModelSpec(kind="llama-config", llama_config=TINY, seed=0),
+            ModelSpec.tiny(seed=0),
             router_kwargs={"window_ms": 300, "residency_source": "kv_events"},
             stats_period_s=0.5,
         )
