@@ -2,8 +2,8 @@
 obviously right.
 
 They exist to be compared against. Each step reads like the task's pseudo-code
-(``admit_to_S``, ``admit_to_M``, ``insert_to_G``), plus the edge cases docs/design.md pins and the
-pinning rules documented on `prefixflight.core.S3FIFO` and `prefixflight.core.LRU`.
+(``admit_to_S``, ``admit_to_M``, ``insert_to_G``), plus the edge cases and pinning rules
+documented on `prefixflight.core.S3FIFO` and `prefixflight.core.LRU`.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ class ReferenceS3FIFO(_Pinning):
         )
 
     def admit_new(self, h: BlockHash, evicted: list[BlockHash]) -> None:
-        if self.small_cap == 0:  # docs/design.md: straight to main with freq 0
+        if self.small_cap == 0:  # the documented edge case: straight to main with freq 0
             if self.main_cap == 0:  # capacity 0: nothing is resident
                 return
             if not self._main_can_take():
