@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 import re
+import subprocess
+import sys
+import tempfile
 from collections.abc import Iterator
 
 import pytest
@@ -72,3 +76,33 @@ def test_simulate_flight_fits_120_columns(capsys: pytest.CaptureFixture[str]) ->
     out = capsys.readouterr().out
     assert max(len(line) for line in out.splitlines()) <= 120
     assert "- fixed share 0.00:" in out  # the long findings are a list
+
+
+def test_a_command_imports_only_its_own_module() -> None:
+    # what start-up pays for: `prefixflight replay` registers the replay command alone and
+    # loads the cache's replay modules, not the curves, the hashers or the other commands
+    code = (
+        "import json, sys; from prefixflight.cli._main import main; "
+        "main(['replay', 'bundled:conversation', '--capacity-blocks', '64', '-q', "
+        "'-o', sys.argv[1]]); print(json.dumps([m for m in sys.modules if m.startswith('prefix')]))"
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        out = subprocess.run(
+            [sys.executable, "-c", code, f"{tmp}/r.json"],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+    loaded = set(json.loads(out.stdout))
+    assert "prefixflight.cli._replay_cmd" in loaded
+    assert "prefixflight.core.cache._replay" in loaded
+    for absent in ("_sweep_cmd", "_serve_cmd", "_simulate_cmd", "_bench_cmd", "_curves",
+                   "_hashing", "flight", "routing"):  # fmt: skip
+        assert not [m for m in loaded if m.rsplit(".", 1)[-1] == absent], absent
+
+
+def test_the_top_level_help_still_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
+    from prefixflight.cli._main import COMMANDS
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert all(name in out for name in COMMANDS)

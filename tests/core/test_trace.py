@@ -1,8 +1,13 @@
 from __future__ import annotations
 
+import json
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from prefixflight.core import TraceFormatError, TraceReader, TraceRecord, parse_trace_line
+from prefixflight.core.cache._trace import _loads
 
 
 @pytest.mark.parametrize(
@@ -57,3 +62,46 @@ def test_trace_errors_cross_process_boundaries() -> None:
     err = TraceFormatError("t.jsonl", 3, "hash_ids", "missing")
     back = pickle.loads(pickle.dumps(err))
     assert (back.source, back.line, back.field, str(back)) == ("t.jsonl", 3, "hash_ids", str(err))
+
+
+# -- the fast JSON path: exactly `json.loads`, value or error -------------------------------
+_JSON_TEXT = st.one_of(
+    st.recursive(
+        st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
+        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner),
+        max_leaves=6,
+    ).map(json.dumps),
+    st.text(alphabet=' \t\r\n\x0c\ufeff{}[]",:0123456789.eE+-aelnrstuNIfinity', max_size=12),
+)
+
+
+@settings(max_examples=300)
+@given(text=_JSON_TEXT, before=st.sampled_from(["", " ", "\ufeff", "\n"]),
+       after=st.sampled_from(["", " ", "\n", " \t\r\n", "\x0c", " 1", "}", "\u00a0"]))  # fmt: skip
+def test_the_fast_json_path_is_json_loads(text: str, before: str, after: str) -> None:
+    line = before + text + after
+    try:
+        want: object = json.loads(line)
+    except (ValueError, RecursionError) as exc:
+        with pytest.raises(type(exc)) as got:
+            _loads(line)
+        assert str(got.value) == str(exc)
+        return
+    got_value = _loads(line)
+    assert json.dumps(got_value) == json.dumps(want)  # NaN != NaN: compare the texts
+
+
+def test_replay_reads_fields_without_records_but_checks_them_alike() -> None:
+    lines = [
+        '{"input_length": 3, "hash_ids": [1]}\n',
+        '{"input_length": 3, "hash_ids": [true]}\n',
+        "\n",
+        '{"input_length": 5, "hash_ids": [1, 2], "timestamp": 1e999}\n',
+        '{"input_length": 4, "hash_ids": [1]} \n',
+    ]
+    records = TraceReader(lines, skip_invalid=True)
+    fields = TraceReader(lines, skip_invalid=True)
+    assert [(r.input_length, list(r.hash_ids)) for r in records] == list(fields._requests())
+    assert records.skipped_lines == fields.skipped_lines == 2
+    with pytest.raises(TraceFormatError, match="<trace>:2: field 'hash_ids'"):
+        list(TraceReader(lines)._requests())

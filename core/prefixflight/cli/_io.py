@@ -16,13 +16,13 @@ import sys
 import zlib
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
 from prefixflight.core import PrefixflightError, TraceReader, UsageError
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
+    from pathlib import Path
 
 __all__ = [
     "BUNDLED_TRACES",
@@ -52,17 +52,21 @@ class OutputError(PrefixflightError):
     """An output that cannot be written: a full disk, a file-size limit, a closed stdout."""
 
 
+def _bundled_filename(name: str) -> str:
+    try:
+        return BUNDLED_TRACES[name]
+    except KeyError:
+        choices = ", ".join(sorted(BUNDLED_TRACES))
+        raise InputError(f"no bundled trace {name!r}; choose one of: {choices}") from None
+
+
 def bundled_trace(name: str) -> Traversable:
     """The bundled trace ``"conversation"`` or ``"synthetic"``, as a package resource.
 
     Open it with ``.open("rb")``, or get a file system path with
     ``importlib.resources.as_file`` (it works from a zipped install too).
     """
-    try:
-        filename = BUNDLED_TRACES[name]
-    except KeyError:
-        choices = ", ".join(sorted(BUNDLED_TRACES))
-        raise InputError(f"no bundled trace {name!r}; choose one of: {choices}") from None
+    filename = _bundled_filename(name)
     from importlib import resources
 
     return resources.files("prefixflight.cli").joinpath("data", filename)
@@ -91,11 +95,19 @@ def _peek(stream: IO[bytes], n: int) -> bytes:
 
 
 @contextmanager
-def _bundled_path(name: str) -> Iterator[Path]:
+def _bundled_path(name: str) -> Iterator[str]:
+    """A file system path of a bundled trace: the package's own file in a regular install
+    (without importing `importlib.resources`, which costs start-up time), a temporary copy
+    from ``importlib.resources.as_file`` otherwise (e.g. a zipped install)."""
+    filename = _bundled_filename(name)
+    here = os.path.join(os.path.dirname(__file__), "data", filename)
+    if os.path.isfile(here):
+        yield here
+        return
     from importlib import resources
 
     with resources.as_file(bundled_trace(name)) as path:
-        yield path
+        yield str(path)
 
 
 @contextmanager
@@ -115,11 +127,11 @@ def open_trace(spec: str | Path) -> Iterator[Iterable[bytes]]:
         else:
             yield stdin
         return
-    path = Path(spec)
+    path = os.fspath(spec)
     try:
-        fh = path.open("rb")
+        fh = open(path, "rb")  # noqa: SIM115 (closed by the with below)
     except OSError as exc:
-        raise InputError(f"cannot open trace {str(path)!r}: {exc.strerror or exc}") from None
+        raise InputError(f"cannot open trace {path!r}: {exc.strerror or exc}") from None
     with fh:
         if fh.peek(2)[:2] == _GZIP_MAGIC:
             with gzip.GzipFile(fileobj=fh, mode="rb") as gz:
@@ -175,6 +187,7 @@ def atomic_path(target: str | Path) -> Iterator[Path]:
     `OSError` becomes `OutputError` naming ``target``.
     """
     import tempfile
+    from pathlib import Path
 
     path = Path(target)
     try:

@@ -3,7 +3,9 @@
 Exit status: 0 ok, 1 bad input data (or an output that cannot be written), 2 usage error
 (argparse's own, and any invalid flag value), 130 interrupted. Every error is one line on
 stderr, never a traceback. Commands import what only they need inside their ``run``, so
-start-up pays for the core and argparse, not for torch, asyncio or process pools.
+start-up pays for the core and argparse, not for torch, asyncio or process pools; and when
+the first argument names a command, only that command's module is imported and registered
+(its parsing, help and errors are the same as with every command registered).
 """
 
 from __future__ import annotations
@@ -12,30 +14,30 @@ import argparse
 import contextlib
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from importlib import import_module
 from typing import cast
 
 from prefixflight.core import PrefixflightError
 
-from . import _bench_cmd, _demo_cmd, _replay_cmd, _serve_cmd, _simulate_cmd, _sweep_cmd
 from ._args import Parser, VersionAction
 from ._io import OutputError, write_stdout
 
 __all__ = ["main"]
 
-Register = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], None]
+# command name -> the module whose ``register(subparsers)`` adds it, in the order of --help
+COMMANDS = {
+    "replay": "_replay_cmd",
+    "simulate": "_simulate_cmd",
+    "sweep": "_sweep_cmd",
+    "bench": "_bench_cmd",
+    "demo": "_demo_cmd",
+    "serve": "_serve_cmd",
+}
 
-COMMANDS: tuple[Register, ...] = (
-    _replay_cmd.register,
-    _simulate_cmd.register,
-    _sweep_cmd.register,
-    _bench_cmd.register,
-    _demo_cmd.register,
-    _serve_cmd.register,
-)
 
-
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The CLI's parser; with ``only``, just that command (the others are not imported)."""
     parser = Parser(
         prog="prefixflight",
         description="Prefix caching done exactly: replay traces, simulate, benchmark.",
@@ -45,8 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
         "argparse._SubParsersAction[argparse.ArgumentParser]",
         parser.add_subparsers(dest="command", metavar="COMMAND", required=True),
     )
-    for register in COMMANDS:
-        register(sub)
+    for name, module in COMMANDS.items():
+        if only is None or name == only:
+            import_module(f"{__package__}.{module}").register(sub)
     return parser
 
 
@@ -61,8 +64,10 @@ def _silence_stdout() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; return the exit status (0 ok, 1 bad input, 2 usage error)."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args_list = sys.argv[1:] if argv is None else list(argv)
+    first = args_list[0] if args_list else None
+    parser = build_parser(first if first in COMMANDS else None)
+    args = parser.parse_args(args_list)
     leaf = getattr(args, "parser", None)  # the sub-command's own parser, if it set one
     name = leaf.prog if isinstance(leaf, argparse.ArgumentParser) else parser.prog
     try:

@@ -16,10 +16,10 @@ experiments live in `prefixflight.sim`.
 
 from __future__ import annotations
 
-import importlib
 import typing
 
 from ._errors import CapacityError, ConfigError, PrefixflightError, TraceFormatError, UsageError
+from ._lazy import lazy_attributes
 
 if typing.TYPE_CHECKING:
     from ._build import compiled
@@ -192,21 +192,9 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> object:
-    try:
-        package = _LAZY[name]
-    except KeyError:
-        if name in ("cache", "flight", "routing"):
-            return importlib.import_module(f"{__name__}.{name}")
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-    value = getattr(importlib.import_module(f"{__name__}.{package}"), name)
-    globals()[name] = value  # later lookups are plain attribute reads
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
-
+__getattr__, __dir__ = lazy_attributes(
+    globals(), _LAZY, subpackages=("cache", "flight", "routing")
+)
 
 __all__ = [
     "LRU",

@@ -10,14 +10,16 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Container, Sequence
 from itertools import repeat
-from typing import TypeAlias, final
+from typing import TYPE_CHECKING, TypeAlias, final
 
 import attrs
 
 from .._errors import CapacityError, UsageError
 from .._validate import CheckedInt, check_int
-from ._hashing import BlockHash
 from ._policies import EvictionPolicy
+
+if TYPE_CHECKING:
+    from ._hashing import BlockHash
 
 __all__ = [
     "AllBlocksCleared",
@@ -195,7 +197,10 @@ class PrefixCache:
                 self._access_into(blocks, evicted)
             finally:  # blocks evicted before a CapacityError are forgotten too
                 if evicted:
-                    self._forget(evicted)
+                    if self._pages:
+                        self._forget(evicted)
+                    else:  # no page to detach (a replay): only the count
+                        self._evictions += len(evicted)
         else:
             evicted = policy.access(blocks)
             if evicted:

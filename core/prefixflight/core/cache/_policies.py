@@ -11,11 +11,13 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Container, Iterable, Mapping, Sequence
-from typing import Protocol, final
+from typing import TYPE_CHECKING, Protocol, final
 
 from .._errors import CapacityError, UsageError
 from .._validate import CheckedFloat, CheckedInt, check_int, check_ratio
-from ._hashing import BlockHash
+
+if TYPE_CHECKING:
+    from ._hashing import BlockHash
 
 __all__ = ["LRU", "S3FIFO", "EvictionPolicy"]
 

@@ -4,8 +4,8 @@ report, exactly."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
-from typing import Any, Literal, TypeAlias
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 import attrs
 
@@ -14,6 +14,9 @@ from .._validate import check_int, check_ratio
 from ._cache import EventSink, PrefixCache
 from ._policies import LRU, S3FIFO, EvictionPolicy
 from ._trace import TraceReader, TraceRecord
+
+if TYPE_CHECKING:
+    from ._hashing import BlockHash
 
 __all__ = ["PolicyName", "ReplayConfig", "ReplayReport", "RequestResult", "replay"]
 
@@ -149,9 +152,12 @@ def replay(
     rows: list[RequestResult] | None = [] if per_request else None
     mismatches = 0
     idx = -1
-    for idx, rec in enumerate(records):
-        hash_ids = rec.hash_ids
-        n = rec.input_length
+    requests: Iterable[tuple[int, Sequence[BlockHash]]]
+    if isinstance(records, TraceReader):
+        requests = records._requests()  # the same checks, without a TraceRecord per line
+    else:
+        requests = ((rec.input_length, rec.hash_ids) for rec in records)
+    for idx, (n, hash_ids) in enumerate(requests):
         if len(hash_ids) != -(-n // bs):
             mismatches += 1
         hit = access(hash_ids, n)

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Iterator
-from typing import final
+from collections.abc import Callable, Iterable, Iterator
+from json.scanner import make_scanner
+from typing import Any, TypeAlias, cast, final
 
 import attrs
 
@@ -42,6 +43,33 @@ def parse_trace_line(text: str | bytes, *, source: str = "<trace>", line: int = 
     Bytes must be UTF-8; the error for bytes that are not names the line and the column.
     NaN and infinite timestamps are rejected; so is JSON nested too deeply to parse.
     """
+    n, ids, ts, out = _parse_fields(text, source, line)
+    return TraceRecord(input_length=n, hash_ids=tuple(ids), timestamp=ts, output_length=out)
+
+
+_Fields: TypeAlias = tuple[int, list[int], float | None, int | None]
+
+# the scanner behind `json.loads` (C, from the standard library's `_json`, where it exists)
+_scan_once: Callable[[str, int], tuple[object, int]] = make_scanner(cast(Any, json.JSONDecoder()))
+_JSON_SPACE = " \t\n\r"
+
+
+def _loads(text: str) -> object:
+    """`json.loads(text)`, without its per-call Python layers when ``text`` is one JSON
+    value with nothing but JSON whitespace after it (what `json.loads` itself would scan
+    from position 0); anything else goes through `json.loads`, for its exact result or
+    error."""
+    try:
+        obj, end = _scan_once(text, 0)
+    except StopIteration:  # leading whitespace, a byte order mark, not JSON at all
+        return json.loads(text)
+    if end != len(text) and text[end:].strip(_JSON_SPACE):
+        return json.loads(text)  # raises "Extra data"
+    return obj
+
+
+def _parse_fields(text: str | bytes, source: str, line: int) -> _Fields:
+    """`parse_trace_line`'s checks, returning the fields (``hash_ids`` as the parsed list)."""
     if isinstance(text, bytes):
         raw = text
         try:
@@ -52,7 +80,7 @@ def parse_trace_line(text: str | bytes, *, source: str = "<trace>", line: int = 
                 source, line, None, f"not valid UTF-8 (byte 0x{bad} at column {exc.start + 1})"
             ) from None
     try:
-        obj = json.loads(text)
+        obj = _loads(text)
     except ValueError as exc:
         raise TraceFormatError(source, line, None, f"not valid JSON ({exc})") from None
     except RecursionError:
@@ -91,7 +119,7 @@ def parse_trace_line(text: str | bytes, *, source: str = "<trace>", line: int = 
             raise TraceFormatError(source, line, "output_length", f"expected an int, got {out!r}")
         if out < 0:
             raise TraceFormatError(source, line, "output_length", f"must be >= 0, got {out}")
-    return TraceRecord(input_length=n, hash_ids=tuple(ids), timestamp=ts, output_length=out)
+    return n, ids, ts, out
 
 
 def _strip_bom(text: str | bytes) -> str | bytes:
@@ -123,6 +151,16 @@ class TraceReader:
         self.lines_read = 0
 
     def __iter__(self) -> Iterator[TraceRecord]:
+        for n, ids, ts, out in self._fields():
+            yield TraceRecord(input_length=n, hash_ids=tuple(ids), timestamp=ts, output_length=out)
+
+    def _requests(self) -> Iterator[tuple[int, list[int]]]:
+        """``(input_length, hash_ids)`` of every record, checked exactly as `__iter__` checks
+        them but without building `TraceRecord` objects: what a replay reads."""
+        for n, ids, _, _ in self._fields():
+            yield n, ids
+
+    def _fields(self) -> Iterator[_Fields]:
         source = self.source
         for number, text in enumerate(self._lines, start=1):
             self.lines_read = number
@@ -131,7 +169,7 @@ class TraceReader:
             if not text.strip():
                 continue
             try:
-                yield parse_trace_line(text, source=source, line=number)
+                yield _parse_fields(text, source, number)
             except TraceFormatError:
                 if not self.skip_invalid:
                     raise
