@@ -19,7 +19,7 @@ from __future__ import annotations
 import typing
 
 from ._errors import CapacityError, ConfigError, PrefixflightError, TraceFormatError, UsageError
-from ._lazy import lazy_attributes
+from ._lazy import lazy_attributes as _lazy_attributes
 
 if typing.TYPE_CHECKING:
     from ._build import compiled
@@ -192,7 +192,7 @@ _LAZY = {
 }
 
 
-__getattr__, __dir__ = lazy_attributes(
+__getattr__, __dir__ = _lazy_attributes(
     globals(), _LAZY, subpackages=("cache", "flight", "routing")
 )
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import typing
 
-from .._lazy import lazy_attributes
+from .._lazy import lazy_attributes as _lazy_attributes
 
 if typing.TYPE_CHECKING:
     from ._cache import (
@@ -58,7 +58,7 @@ _LAZY = {
 }
 
 
-__getattr__, __dir__ = lazy_attributes(globals(), _LAZY)
+__getattr__, __dir__ = _lazy_attributes(globals(), _LAZY)
 
 __all__ = [
     "LRU",
