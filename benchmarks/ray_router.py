@@ -203,14 +203,6 @@ def summarize(outcomes: list[Outcome], wall: float) -> dict[str, Any]:
         groups.setdefault(o.spec.group, set()).add(o.result.replica)
         sizes[o.spec.group] = sizes.get(o.spec.group, 0) + 1
     multi = [g for g, n in sizes.items() if n >= 2]
-    for g in multi:
-        if len(groups[g]) > 1:
-            spread = sorted(
-                (o.result.replica, round(o.sent - min(x.sent for x in ok), 3))
-                for o in ok
-                if o.spec.group == g and o.result is not None
-            )
-            print(f"split: group {g}: {spread}", file=sys.stderr)
     prompt = sum(o.result.prompt_tokens for o in ok if o.result)
     cached = sum(o.result.cached_tokens for o in ok if o.result)
     ttfts = [o.first - o.sent for o in ok if o.first is not None]
@@ -236,6 +228,19 @@ def summarize(outcomes: list[Outcome], wall: float) -> dict[str, Any]:
         "makespan": wall,
         "requests_per_replica": dict(sorted(per_replica.items())),
     }
+
+
+def report_splits(name: str, outcomes: list[Outcome]) -> None:
+    """On stderr: each group whose samples landed on several replicas (replica, send time)."""
+    start = min((o.sent for o in outcomes), default=0.0)
+    groups: dict[int, list[tuple[str, float]]] = {}
+    for o in outcomes:
+        if o.result is not None:
+            groups.setdefault(o.spec.group, []).append((o.result.replica, o.sent - start))
+    for g, members in sorted(groups.items()):
+        if len({r for r, _ in members}) > 1:
+            spread = ", ".join(f"{r}@{t:.3f}s" for r, t in sorted(members, key=lambda m: m[1]))
+            print(f"{name}: group {g} split: {spread}", file=sys.stderr)
 
 
 def median_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -445,6 +450,8 @@ def main() -> None:
                 for phase in ("grpo", "mooncake")
             }
             rounds[ROUTER_KEYS[name]].append(summary)
+            if name == "burst":  # the router whose co-location is the point
+                report_splits(name, outs["grpo"])
             from ray import serve
 
             serve.delete(f"bench-{name}-{r}")
