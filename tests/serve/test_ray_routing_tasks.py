@@ -89,3 +89,20 @@ def test_every_request_is_routed_and_the_routing_tasks_retire(seed: int) -> None
     lost, tasks_left = asyncio.run(route_all(seed, 200))
     assert lost == 0
     assert tasks_left == 0
+
+
+def test_the_prefix_router_is_rays_with_routing_tasks_that_keep_their_request() -> None:
+    from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import (
+        PrefixCacheAffinityRouter,
+    )
+
+    from prefixflight.serve.ray import ROUTERS
+    from prefixflight.serve.ray._router import load_object
+    from prefixflight.serve.ray._routing_tasks import OwnRequestRoutingMixin
+
+    for name in ("burst", "prefix"):
+        cls = load_object(ROUTERS[name])
+        assert issubclass(cls, OwnRequestRoutingMixin)
+        assert cls._fulfill_pending_requests is OwnRequestRoutingMixin._fulfill_pending_requests
+    assert issubclass(load_object(ROUTERS["prefix"]), PrefixCacheAffinityRouter)
+    assert not issubclass(load_object(ROUTERS["pow2"]), OwnRequestRoutingMixin)  # FIFO: safe
