@@ -106,3 +106,44 @@ def test_the_prefix_router_is_rays_with_routing_tasks_that_keep_their_request() 
         assert cls._fulfill_pending_requests is OwnRequestRoutingMixin._fulfill_pending_requests
     assert issubclass(load_object(ROUTERS["prefix"]), PrefixCacheAffinityRouter)
     assert not issubclass(load_object(ROUTERS["pow2"]), OwnRequestRoutingMixin)  # FIFO: safe
+
+
+class FailsOnBad(BurstRequestRouter):
+    """Our router, raising inside ``choose_replicas`` for the request with id ``"bad"``."""
+
+    async def choose_replicas(
+        self, candidate_replicas: list[Any], pending_request: Any = None
+    ) -> list[list[Any]]:
+        if pending_request is not None and pending_request.metadata.request_id == "bad":
+            raise ValueError("no replica for this one")
+        return await super().choose_replicas(candidate_replicas, pending_request)
+
+
+def test_a_request_the_router_fails_on_gets_the_error_and_the_others_are_routed() -> None:
+    async def scenario() -> list[object]:
+        router = FailsOnBad(DEPLOYMENT, DeploymentHandleSource.UNKNOWN)
+        router.initialize_state(window_ms=3, block_size_tokens=4, seed=0)
+        replicas: list[Any] = [ProbedReplica(f"r{i}", random.Random(i)) for i in range(2)]
+        router.update_replicas(replicas)
+
+        def pending(name: str, i: int) -> PendingRequest:
+            meta = RequestMetadata(request_id=name, internal_request_id=f"id-{i}")
+            request = GenerateRequest(prompt_ids=(1, 2, 3, i))
+            return PendingRequest(args=[request], kwargs={}, metadata=meta)
+
+        async with asyncio.timeout(5.0):
+            results: list[object] = await asyncio.gather(
+                *(router._choose_replica_for_request(pending(n, i)) for i, n in enumerate("abc")),
+                router._choose_replica_for_request(pending("bad", 3)),
+                return_exceptions=True,
+            )
+        for _ in range(200):
+            if not router.curr_num_routing_tasks:
+                break
+            await asyncio.sleep(0.005)
+        assert router.curr_num_routing_tasks == 0
+        return results
+
+    *routed, failed = asyncio.run(scenario())
+    assert [getattr(r, "replica_id", None) is not None for r in routed] == [True] * 3
+    assert isinstance(failed, ValueError) and "no replica for this one" in str(failed)

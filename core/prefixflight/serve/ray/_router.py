@@ -203,7 +203,7 @@ class BurstRequestRouter(OwnRequestRoutingMixin, RequestRouter):
             now = max(loop.time(), self._state.now)
             try:
                 decisions = self._state.submit(rid, request, now, self._loads(candidates))
-            except BaseException:  # Serve logs it and routes the request again
+            except BaseException:  # the request fails with it (OwnRequestRoutingMixin)
                 del self._waiters[rid]
                 raise
             self._resolve(decisions)

@@ -17,10 +17,11 @@ overrides the same loop for the same reason.
 
 `OwnRequestRoutingMixin` replaces that loop: a task owns the request it popped until the
 request is assigned a replica or cancelled, and retires only between requests (when the
-routing queue is empty or the task count is over the router's cap). Everything else (the
-choice, the backoff, the probes, the assignment) is Serve's own code, called as Serve calls
-it. It relies on Serve's private routing-queue attributes of the Ray range the ``ray`` extra
-pins (2.59.x).
+routing queue is empty or the task count is over the router's cap). A request on which the
+router itself raises fails with that error (Serve's loop would drop it and end the task).
+Everything else (the choice, the backoff, the probes, the assignment) is Serve's own code,
+called as Serve calls it. It relies on Serve's private routing-queue attributes of the Ray
+range the ``ray`` extra pins (2.59.x).
 """
 
 from __future__ import annotations
@@ -49,7 +50,13 @@ class OwnRequestRoutingMixin:
                 pending = router._get_next_pending_request_to_route()
                 if pending is None:
                     break  # nothing to route: retire (a new request starts a new task)
-                await self._route_until_done(pending)
+                try:
+                    await self._route_until_done(pending)
+                except Exception as exc:  # the router failed on it: the caller gets the error
+                    _log.exception("Routing request %s failed.", pending.metadata.request_id)
+                    if not pending.future.done():
+                        pending.future.set_exception(exc)
+                    router._remove_pending_request_from_indices(pending)
         except Exception:
             _log.exception("Unexpected error in the routing task.")
         finally:
