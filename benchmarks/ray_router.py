@@ -1,10 +1,12 @@
 """Our burst router against Ray Serve's own routers, on real engine replicas, side by side.
 
 One local Ray instance; for each router in turn a fresh deployment of ``--replicas``
-`AsyncEngine` replicas (random-weight tiny Llama models: see below), the same workload, then
-the deployment is deleted. Routers: ``burst`` (prefixflight's `BurstRequestRouter`),
-``prefix_cache_affinity`` (Ray's ``PrefixCacheAffinityRouter`` from ``ray.serve.llm``) and
-``pow2`` (Ray's default power-of-two-choices router).
+`AsyncEngine` replicas (``--model``: SmolLM2-135M, or the torch backend's 2-layer
+random-weight Llama), the same workload, then the deployment is deleted. Routers: ``burst``
+(prefixflight's `BurstRequestRouter`), ``prefix_cache_affinity`` (Ray's
+``PrefixCacheAffinityRouter`` from ``ray.serve.llm``, with routing tasks that keep their
+request, as ours: Serve 2.59's own loop drops a few requests of both) and ``pow2`` (Ray's
+default power-of-two-choices router).
 
 Workload (same seed, same requests for every router):
 
@@ -16,8 +18,9 @@ Workload (same seed, same requests for every router):
   sharing hash ids share those token blocks), at most ``--mooncake-blocks`` blocks per
   prompt, arrivals at the trace's timestamps compressed into ``--mooncake-span-s``.
 
-Prompts go as token ids (what our router hashes and the replicas run) and as text that the
-replicas' character tokenizer maps to exactly those ids (what Ray's prefix router matches).
+Prompts go as token ids (what our router hashes and the replicas run) and as text, one
+character per id (what Ray's prefix router matches; the tiny model's character tokenizer maps
+it back to exactly those ids).
 Each of ``--rounds`` rounds deploys and runs every router once, the order rotated; the
 table shows medians over rounds (the JSON keeps every round). Measured per router: GRPO
 groups fully co-located, mean distinct replicas per group, the
@@ -26,12 +29,14 @@ TTFT p50/p95 (client side: send to the first streamed token, routing included) a
 makespan (the two phases' wall time). ``simulated`` is our cluster simulator on the same
 requests with the burst router, its cost model fitted to the replicas' measured step times.
 
-    python benchmarks/ray_router.py --json docs/results/ray_router.json
+    python benchmarks/ray_router.py --model smollm2 --residency kv_events --json FILE
 
-Model: 4 SmolLM2-135M replicas do not fit this benchmark's time on a 2-core machine (a
-single replica's 100-token prefill takes ~0.2 s and a decode step ~35 ms at one thread; four
-replicas on two cores run several times slower), so the replicas run the torch backend's
-2-layer random-weight Llama (vocab 512): the same engine, scheduler and prefix cache.
+Model: ``--model smollm2`` runs SmolLM2-135M-Instruct (fp32, one torch thread per replica
+when replicas >= cores), where a prefill costs real time (about 0.2 s for 100 tokens at one
+quiet thread) and reuse pays; four replicas fit in memory (about 0.6 GB each) and take about
+a minute per router and round on two cores. ``--model tiny`` (the default, fast) runs the
+2-layer random-weight Llama (vocab 512): the same engine, scheduler and prefix cache, where
+a prefill costs milliseconds. Prompt ids stay below 512 for both.
 """
 
 from __future__ import annotations
@@ -141,7 +146,7 @@ def mooncake_specs(rng: random.Random, args: argparse.Namespace, first_group: in
     return out
 
 
-async def run_phase(handle: Any, specs: list[Spec], timeout_s: float = 120.0) -> list[Outcome]:
+async def run_phase(handle: Any, specs: list[Spec], timeout_s: float) -> list[Outcome]:
     streaming = handle.options(stream=True)
     loop = asyncio.get_running_loop()
     start = loop.time()
@@ -161,21 +166,25 @@ async def run_phase(handle: Any, specs: list[Spec], timeout_s: float = 120.0) ->
                     elif isinstance(event, GenerateResult):
                         result = event
         except Exception as exc:  # counted as failed (a timeout included)
+            where = "no first token" if first is None else "after its first token"
+            print(f"failed: {spec.phase} group {spec.group}, {where}: {exc!r}", file=sys.stderr)
             return Outcome(spec, sent, first, time.perf_counter(), None, repr(exc))
         return Outcome(spec, sent, first, time.perf_counter(), result, None)
 
     return list(await asyncio.gather(*(one(s) for s in specs)))
 
 
-async def run_workload(handle: Any, grpo: list[Spec], mooncake: list[Spec]) -> dict[str, Any]:
+async def run_workload(
+    handle: Any, grpo: list[Spec], mooncake: list[Spec], timeout_s: float
+) -> dict[str, Any]:
     outcomes: dict[str, list[Outcome]] = {"grpo": [], "mooncake": []}
     walls: dict[str, float] = {}
     t = time.perf_counter()
     for step in sorted({s.step for s in grpo}):  # chained: a step starts when the last ends
-        outcomes["grpo"] += await run_phase(handle, [s for s in grpo if s.step == step])
+        outcomes["grpo"] += await run_phase(handle, [s for s in grpo if s.step == step], timeout_s)
     walls["grpo"] = time.perf_counter() - t
     t = time.perf_counter()
-    outcomes["mooncake"] = await run_phase(handle, mooncake)
+    outcomes["mooncake"] = await run_phase(handle, mooncake, timeout_s)
     walls["mooncake"] = time.perf_counter() - t
     return {"outcomes": outcomes, "walls": walls}
 
@@ -219,6 +228,19 @@ def summarize(outcomes: list[Outcome], wall: float) -> dict[str, Any]:
         "makespan": wall,
         "requests_per_replica": dict(sorted(per_replica.items())),
     }
+
+
+def report_splits(name: str, outcomes: list[Outcome]) -> None:
+    """On stderr: each group whose samples landed on several replicas (replica, send time)."""
+    start = min((o.sent for o in outcomes), default=0.0)
+    groups: dict[int, list[tuple[str, float]]] = {}
+    for o in outcomes:
+        if o.result is not None:
+            groups.setdefault(o.spec.group, []).append((o.result.replica, o.sent - start))
+    for g, members in sorted(groups.items()):
+        if len({r for r, _ in members}) > 1:
+            spread = ", ".join(f"{r}@{t:.3f}s" for r, t in sorted(members, key=lambda m: m[1]))
+            print(f"{name}: group {g} split: {spread}", file=sys.stderr)
 
 
 def median_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -351,6 +373,13 @@ def table(results: dict[str, dict[str, Any]], sim: dict[str, Any] | None) -> str
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--replicas", type=int, default=4)
+    ap.add_argument(
+        "--model",
+        choices=("tiny", "smollm2"),
+        default="tiny",
+        help="what each replica runs: the 2-layer random-weight Llama or SmolLM2-135M",
+    )
+    ap.add_argument("--timeout-s", type=float, default=120.0, help="per request")
     ap.add_argument("--routers", default="burst,prefix,pow2")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--prompts", type=int, default=4, help="prompts per GRPO step")
@@ -406,13 +435,13 @@ def main() -> None:
             handle = run_local(
                 args.replicas,
                 name,
-                ModelSpec.tiny(),
+                ModelSpec.tiny() if args.model == "tiny" else ModelSpec.smollm2(),
                 router_kwargs=kwargs,
                 num_cpus=args.num_cpus,
                 app_name=f"bench-{name}-{r}",
             )
-            asyncio.run(run_phase(handle, warm))  # torch's first calls, off the clock
-            run = asyncio.run(run_workload(handle, grpo, mooncake))
+            asyncio.run(run_phase(handle, warm, args.timeout_s))  # first calls, off the clock
+            run = asyncio.run(run_workload(handle, grpo, mooncake, args.timeout_s))
             outs = run["outcomes"]
             pooled += outs["grpo"] + outs["mooncake"]
             summary = summarize(outs["grpo"] + outs["mooncake"], sum(run["walls"].values()))
@@ -421,6 +450,8 @@ def main() -> None:
                 for phase in ("grpo", "mooncake")
             }
             rounds[ROUTER_KEYS[name]].append(summary)
+            if name == "burst":  # the router whose co-location is the point
+                report_splits(name, outs["grpo"])
             from ray import serve
 
             serve.delete(f"bench-{name}-{r}")
@@ -452,7 +483,11 @@ def main() -> None:
             "replicas": args.replicas,
             "routers": results,
             "simulated": sim,
-            "model": "random-weight tiny Llama (2 layers, hidden 64, vocab 512), fp32 CPU",
+            "model": (
+                "random-weight tiny Llama (2 layers, hidden 64, vocab 512), fp32 CPU"
+                if args.model == "tiny"
+                else "SmolLM2-135M-Instruct, fp32 CPU"
+            ),
             "workload": {
                 "grpo": {
                     "steps": args.steps,

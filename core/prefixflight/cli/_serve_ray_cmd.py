@@ -39,7 +39,8 @@ def add_ray_arguments(p: argparse.ArgumentParser) -> None:
         "--router",
         choices=ROUTER_CHOICES,
         default="burst",
-        help="burst: prefixflight's burst router; prefix: Ray's PrefixCacheAffinityRouter; "
+        help="burst: prefixflight's burst router; prefix: Ray's PrefixCacheAffinityRouter (with "
+        "routing tasks that keep their request, as burst); "
         "pow2: Ray's default power of two choices (default burst)",
     )
     g.add_argument("--window-ms", type=at_least(1), default=100, help="burst window (default 100)")

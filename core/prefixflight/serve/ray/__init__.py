@@ -1,9 +1,11 @@
 """prefixflight on Ray Serve (extra ``ray``): engine replicas behind our burst router.
 
 - `run_local` / `shutdown`: a local Ray instance with N `AsyncEngine` replicas behind
-  ``"burst"`` (ours), ``"prefix"`` (Ray's ``PrefixCacheAffinityRouter``) or ``"pow2"``
-  (Ray's default) routing.
-- `BurstRequestRouter`: our `BurstRouter` behind Ray Serve's ``RequestRouter``.
+  ``"burst"`` (ours), ``"prefix"`` (Ray's ``PrefixCacheAffinityRouter``, with routing tasks
+  that keep their request) or ``"pow2"`` (Ray's default) routing.
+- `BurstRequestRouter`: our `BurstRouter` behind Ray Serve's ``RequestRouter``; its routing
+  tasks (`OwnRequestRoutingMixin`, in ``_routing_tasks``) never abandon a request, which
+  Serve 2.59's own loop does.
 - `EngineReplica`, `ModelSpec`: the deployment (handle API: ``generate(GenerateRequest)``
   -> `GenerateResult`; coarse cache state via ``record_routing_stats``).
 - Ray-free (importable without Ray): `GenerateRequest`, `GenerateResult`, `RoutingState`,

@@ -22,12 +22,10 @@ RouterName: TypeAlias = Literal["burst", "prefix", "pow2"]
 
 ROUTERS: Mapping[str, str] = {
     "burst": "prefixflight.serve.ray:BurstRequestRouter",
-    # Ray re-exports it as ray.serve.llm.request_router.PrefixCacheAffinityRouter, but that
-    # module needs vLLM or SGLang installed; the defining module does not.
-    "prefix": (
-        "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router"
-        ":PrefixCacheAffinityRouter"
-    ),
+    # Ray's PrefixCacheAffinityRouter (ray.serve.llm) with routing tasks that keep their
+    # request (Serve 2.59's loop loses some: see _routing_tasks); imported from its defining
+    # module, as ray.serve.llm.request_router needs vLLM or SGLang installed.
+    "prefix": "prefixflight.serve.ray._prefix_router:PrefixCacheAffinityRouter",
     "pow2": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter",
 }
 """``--router`` names -> request router classes: ours, Ray's prefix-aware one, Ray's default."""

@@ -15,6 +15,9 @@ This class is glue only. The mapping (`find_request`, `replica_load`) and the wi
 decision; one timer (``loop.call_at``) seals the window at the core's deadline. The answer is
 two ranks: the chosen replica alone, then the others by load (used only when the chosen
 replica's queue is full, so a full replica spills instead of stalling).
+
+Its routing tasks come from `OwnRequestRoutingMixin`: Serve 2.59's own loop can drop a
+request whose ``choose_replicas`` awaits (as a window does), and it would hang.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 from prefixflight.core import BurstConfig, ReplicaLoad, Routed, UsageError
 
 from ._adapter import FallbackName, ResidencySource, RoutingState, find_request, replica_load
+from ._routing_tasks import OwnRequestRoutingMixin
 
 __all__ = ["BurstRequestRouter", "load_object"]
 
@@ -48,7 +52,7 @@ def load_object(path: str) -> Any:
     return obj
 
 
-class BurstRequestRouter(RequestRouter):
+class BurstRequestRouter(OwnRequestRoutingMixin, RequestRouter):
     """Burst prefix-affinity routing for a Serve deployment of prefixflight engines.
 
     Select it with ``RequestRouterConfig(request_router_class=
@@ -199,7 +203,7 @@ class BurstRequestRouter(RequestRouter):
             now = max(loop.time(), self._state.now)
             try:
                 decisions = self._state.submit(rid, request, now, self._loads(candidates))
-            except BaseException:  # Serve logs it and routes the request again
+            except BaseException:  # the request fails with it (OwnRequestRoutingMixin)
                 del self._waiters[rid]
                 raise
             self._resolve(decisions)
