@@ -14,7 +14,7 @@ metrics (latencies, cache queries and hits) are recorded by the server as reques
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, final
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -79,6 +79,9 @@ class ServeMetrics:
         def counter(name: str, doc: str) -> Counter:
             return Counter(name, doc, LABELS, registry=reg)
 
+        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
+            return Histogram(name, doc, LABELS, buckets=buckets, registry=reg)
+
         self._prompt_tokens = counter(
             "vllm:prompt_tokens", "Number of prefill tokens processed."
         ).labels(*values)
@@ -95,26 +98,20 @@ class ServeMetrics:
             [*LABELS, "finished_reason"],
             registry=reg,
         )
-        self._ttft = Histogram(
+        self._ttft = histogram(
             "vllm:time_to_first_token_seconds",
             "Histogram of time to first token in seconds.",
-            LABELS,
-            buckets=TTFT_BUCKETS,
-            registry=reg,
+            TTFT_BUCKETS,
         ).labels(*values)
-        self._itl = Histogram(
+        self._itl = histogram(
             "vllm:inter_token_latency_seconds",
             "Histogram of inter-token latency in seconds.",
-            LABELS,
-            buckets=ITL_BUCKETS,
-            registry=reg,
+            ITL_BUCKETS,
         ).labels(*values)
-        self._e2e = Histogram(
+        self._e2e = histogram(
             "vllm:e2e_request_latency_seconds",
             "Histogram of e2e request latency in seconds.",
-            LABELS,
-            buckets=E2E_BUCKETS,
-            registry=reg,
+            E2E_BUCKETS,
         ).labels(*values)
         self._followers_released = counter(
             "prefixflight:followers_released",

@@ -295,6 +295,40 @@ class _Server:
                 await c.gen.aclose()
                 self.settle(c)
 
+    async def stream(
+        self,
+        prompts: Sequence[Sequence[int]],
+        choices: list[_Choice],
+        arrived: float,
+        head: Mapping[str, Any],
+        include_usage: bool,
+        choice: Callable[[int, str, str | None], dict[str, Any]],
+        opening: Sequence[dict[str, Any]] = (),
+    ) -> AsyncIterator[bytes]:
+        """An OpenAI event stream: a chunk for each of ``opening``'s choices, then one for
+        each event (``choice`` shapes it; ``"usage": null`` when usage was asked for), then
+        the usage chunk, or an error chunk if the engine fails, and ``[DONE]``."""
+
+        def chunk(body: dict[str, Any]) -> bytes:
+            out: dict[str, Any] = {**head, "choices": [body]}
+            if include_usage:
+                out["usage"] = None
+            return _sse(out)
+
+        events = self.events(choices, arrived)
+        try:
+            for body in opening:
+                yield chunk(body)
+            async for index, text, reason in events:
+                yield chunk(choice(index, text, reason))
+            if include_usage:
+                yield _sse({**head, "choices": [], "usage": self.usage(prompts, choices)})
+        except Exception as exc:
+            yield _sse(_stream_error(exc))
+        finally:
+            await events.aclose()
+        yield _sse("[DONE]")
+
     def usage(self, prompts: Sequence[Sequence[int]], choices: list[_Choice]) -> dict[str, Any]:
         """OpenAI's usage: each prompt counted once; ``cached_tokens`` is what each prompt
         reused from before this request (for ``n > 1``: its least-cached choice, since the
@@ -506,29 +540,12 @@ def build_app(engine: AsyncEngine, codec: Codec, config: ServerConfig) -> FastAP
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         if body.stream:
 
-            async def sse() -> AsyncIterator[bytes]:
-                events = server.events(choices, arrived)
-                try:
-                    async for index, text, reason in events:
-                        choice = {
-                            "index": index,
-                            "text": text,
-                            "logprobs": None,
-                            "finish_reason": reason,
-                        }
-                        chunk = {**head, "choices": [choice]}
-                        if include_usage:
-                            chunk["usage"] = None
-                        yield _sse(chunk)
-                    if include_usage:
-                        yield _sse({**head, "choices": [], "usage": server.usage(prompts, choices)})
-                except Exception as exc:
-                    yield _sse(_stream_error(exc))
-                finally:
-                    await events.aclose()
-                yield _sse("[DONE]")
+            def text_choice(index: int, text: str, reason: str | None) -> dict[str, Any]:
+                return {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
 
-            return _EventStream(sse())
+            return _EventStream(
+                server.stream(prompts, choices, arrived, head, include_usage, text_choice)
+            )
 
         texts = await _unless_disconnected(request, _collect(server, choices, arrived))
         return JSONResponse(
@@ -566,35 +583,18 @@ def build_app(engine: AsyncEngine, codec: Codec, config: ServerConfig) -> FastAP
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         if body.stream:
 
-            async def sse() -> AsyncIterator[bytes]:
-                def chunk(index: int, delta: dict[str, str], reason: str | None) -> bytes:
-                    choice = {
-                        "index": index,
-                        "delta": delta,
-                        "logprobs": None,
-                        "finish_reason": reason,
-                    }
-                    out: dict[str, Any] = {**head, "choices": [choice]}
-                    if include_usage:
-                        out["usage"] = None
-                    return _sse(out)
+            def delta(index: int, change: dict[str, str], reason: str | None) -> dict[str, Any]:
+                return {"index": index, "delta": change, "logprobs": None, "finish_reason": reason}
 
-                events = server.events(choices, arrived)
-                try:
-                    for c in choices:
-                        yield chunk(c.index, {"role": "assistant", "content": ""}, None)
-                    async for index, text, reason in events:
-                        yield chunk(index, {"content": text} if text else {}, reason)
-                    if include_usage:
-                        usage = server.usage([prompt], choices)
-                        yield _sse({**head, "choices": [], "usage": usage})
-                except Exception as exc:
-                    yield _sse(_stream_error(exc))
-                finally:
-                    await events.aclose()
-                yield _sse("[DONE]")
+            def delta_choice(index: int, text: str, reason: str | None) -> dict[str, Any]:
+                return delta(index, {"content": text} if text else {}, reason)
 
-            return _EventStream(sse())
+            roles = [delta(c.index, {"role": "assistant", "content": ""}, None) for c in choices]
+            return _EventStream(
+                server.stream(
+                    [prompt], choices, arrived, head, include_usage, delta_choice, roles
+                )
+            )
 
         texts = await _unless_disconnected(request, _collect(server, choices, arrived))
         return JSONResponse(
