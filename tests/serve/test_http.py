@@ -289,20 +289,25 @@ def test_stop_strings_end_the_answer_before_them(server: Any) -> None:
 
 
 # -- disconnects, errors, overload -------------------------------------------------------------
+def long_completion(words: int, *, stream: bool) -> dict[str, Any]:
+    """A completion request that runs (300 tokens, no end of sequence) until a test stops it."""
+    return {
+        "model": MODEL,
+        "prompt": unique_text(words),
+        "max_tokens": 300,
+        "temperature": 0,
+        "stream": stream,
+        "ignore_eos": True,
+    }
+
+
 def aborted(server: Any) -> float:
     return value(metrics(server), "vllm:request_success_total", finished_reason="abort")
 
 
 def test_a_disconnected_stream_aborts_and_frees_its_pages(server: Any, step_gate: Any) -> None:
     before = aborted(server)
-    body = {
-        "model": MODEL,
-        "prompt": unique_text(20),
-        "max_tokens": 300,
-        "temperature": 0,
-        "stream": True,
-        "ignore_eos": True,
-    }
+    body = long_completion(20, stream=True)
     step_gate.hold_after(3)  # the request runs until the test lets it go on
     with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=WAIT) as r:
         assert r.status_code == 200
@@ -322,13 +327,7 @@ def test_a_disconnected_stream_aborts_and_frees_its_pages(server: Any, step_gate
 
 def test_a_disconnected_plain_request_aborts(server: Any, step_gate: Any) -> None:
     before = aborted(server)
-    body = {
-        "model": MODEL,
-        "prompt": unique_text(20),
-        "max_tokens": 300,
-        "temperature": 0,
-        "ignore_eos": True,
-    }
+    body = long_completion(20, stream=False)
     step_gate.hold_after(3)
     with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
         httpx.post(
@@ -393,14 +392,7 @@ def test_openai_client_raises_typed_errors(server: Any) -> None:
 
 def test_overload_gets_429_and_a_closed_engine_503(start_server: Any, step_gate: Any) -> None:
     small = start_server(max_running=1, max_waiting=1)
-    body = {
-        "model": MODEL,
-        "prompt": unique_text(8),
-        "max_tokens": 300,
-        "temperature": 0,
-        "stream": True,
-        "ignore_eos": True,
-    }
+    body = long_completion(8, stream=True)
     url = small.base_url + "/v1/completions"
     step_gate.hold_after(3)  # the first request stays in progress
     with httpx.stream("POST", url, json=body, timeout=WAIT) as first:

@@ -106,6 +106,16 @@ def _table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join([line, sep, *body])
 
 
+def _versus(r: FlightRow, base: FlightRow) -> list[str]:
+    """Recovered tokens per follower, mean TTFT and slowest completion, each time with its
+    change against ``base``."""
+    return [
+        f"{r.recovered_tokens_per_follower:.0f}",
+        f"{r.mean_ttft:.3f}", _pct(r.mean_ttft, base.mean_ttft),
+        f"{r.slowest_completion:.2f}", _pct(r.slowest_completion, base.slowest_completion),
+    ]  # fmt: skip
+
+
 def _by(rows: Sequence[FlightRow]) -> dict[tuple[str, int], FlightRow]:
     return {(r.policy, r.concurrency): r for r in rows}
 
@@ -132,11 +142,7 @@ def _single(rows: Sequence[FlightRow]) -> str:
     for r in rows:
         base = by["independent", r.concurrency]
         out.append([
-            str(r.concurrency), r.policy, f"{r.recovered_tokens_per_follower:.0f}",
-            f"{r.mean_ttft:.3f}", _pct(r.mean_ttft, base.mean_ttft),
-            f"{r.slowest_completion:.2f}",
-            _pct(r.slowest_completion, base.slowest_completion),
-            str(r.computed_prompt_tokens),
+            str(r.concurrency), r.policy, *_versus(r, base), str(r.computed_prompt_tokens)
         ])  # fmt: skip
     head = ["requests", "policy", "recovered", "mean TTFT (s)", "vs indep.",
             "slowest done (s)", "vs indep.", "prompt computed"]  # fmt: skip
@@ -145,12 +151,7 @@ def _single(rows: Sequence[FlightRow]) -> str:
 
 def _late(rows: Sequence[FlightRow]) -> str:
     base = next(r for r in rows if r.policy == "on_completion")
-    out = [
-        [r.policy, f"{r.recovered_tokens_per_follower:.0f}", f"{r.mean_ttft:.3f}",
-         _pct(r.mean_ttft, base.mean_ttft), f"{r.slowest_completion:.2f}",
-         _pct(r.slowest_completion, base.slowest_completion)]
-        for r in rows
-    ]  # fmt: skip
+    out = [[r.policy, *_versus(r, base)] for r in rows]
     head = ["policy", "recovered", "mean TTFT (s)", "vs on-completion",
             "slowest done (s)", "vs on-completion"]  # fmt: skip
     return _table(head, out)
@@ -161,13 +162,7 @@ def _partial(rows: Sequence[FlightRow]) -> str:
     for r in rows:
         mode, case = r.policy.split(":")
         base = next(b for b in rows if b.policy == f"exact_only:{case}")
-        out.append([
-            case, mode, f"{r.recovered_tokens_per_follower:.0f}",
-            f"{r.mean_ttft:.3f}", _pct(r.mean_ttft, base.mean_ttft),
-            f"{r.slowest_completion:.2f}",
-            _pct(r.slowest_completion, base.slowest_completion),
-            str(r.computed_prompt_tokens),
-        ])  # fmt: skip
+        out.append([case, mode, *_versus(r, base), str(r.computed_prompt_tokens)])
     head = ["shared+tail", "mode", "recovered", "mean TTFT (s)", "vs exact",
             "slowest done (s)", "vs exact", "prompt computed"]  # fmt: skip
     return _table(head, out)
