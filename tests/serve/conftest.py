@@ -62,23 +62,16 @@ def tiny_llama(seed: int = 0) -> Any:
 
 
 class ServerThread:
-    """uvicorn serving ``app`` on a free 127.0.0.1 port, in a thread, until `stop`."""
+    """``serve``'s uvicorn server for ``app`` on a free 127.0.0.1 port, in a thread, until
+    `stop` (which shuts it down as SIGTERM would: draining, then closing)."""
 
     def __init__(self, app: Any) -> None:
-        import uvicorn
+        from prefixflight.serve.http import uvicorn_server
 
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.base_url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(
-            uvicorn.Config(
-                app,
-                log_level="error",
-                access_log=False,
-                lifespan="on",
-                timeout_graceful_shutdown=5,
-            )
-        )
+        self.server = uvicorn_server(app, log_level="error")
         self.loop: asyncio.AbstractEventLoop | None = None
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="test-uvicorn", daemon=True)
@@ -132,8 +125,9 @@ PAGE = 4
 MODEL_NAME = "tiny-llama"
 
 
-def start_tiny_server(model: Any, **limits: Any) -> ServerThread:
-    """The tiny model behind the HTTP server (pages of 4 tokens), started and healthy."""
+def start_tiny_server(model: Any, codec: Any = None, **limits: Any) -> ServerThread:
+    """The tiny model behind the HTTP server (pages of 4 tokens), started and healthy;
+    ``limits`` are `EngineConfig`'s ``max_running``/``num_pages`` and `ServerConfig`'s."""
     from prefixflight.backends.torch import AsyncEngine, EngineConfig
     from prefixflight.serve.http import ServerConfig, build_app
 
@@ -146,7 +140,8 @@ def start_tiny_server(model: Any, **limits: Any) -> ServerThread:
         eos_token_ids=[CharCodec.EOS],
         device="cpu",
     )
-    app = build_app(engine, CharCodec(), ServerConfig(model_name=MODEL_NAME, **limits))
+    config = ServerConfig(model_name=MODEL_NAME, **limits)
+    app = build_app(engine, CharCodec() if codec is None else codec, config)
     return ServerThread(app).start()
 
 
@@ -172,8 +167,8 @@ def start_server(tiny: Any) -> Iterator[Callable[..., ServerThread]]:
     """Start tiny-model servers with other limits; each is stopped after the test."""
     started: list[ServerThread] = []
 
-    def start(**limits: Any) -> ServerThread:
-        started.append(start_tiny_server(tiny, **limits))
+    def start(codec: Any = None, **limits: Any) -> ServerThread:
+        started.append(start_tiny_server(tiny, codec, **limits))
         return started[-1]
 
     yield start
