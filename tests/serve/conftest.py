@@ -65,10 +65,12 @@ class ServerThread:
     """``serve``'s uvicorn server for ``app`` on a free 127.0.0.1 port, in a thread, until
     `stop` (which shuts it down as SIGTERM would: draining, then closing)."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, *, send_buffer: int | None = None) -> None:
         from prefixflight.serve.http import uvicorn_server
 
         self.sock = socket.create_server(("127.0.0.1", 0))
+        if send_buffer is not None:  # accepted connections inherit it: a slow network
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
         self.port = self.sock.getsockname()[1]
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn_server(app, log_level="error")
@@ -131,6 +133,7 @@ def start_tiny_server(model: Any, codec: Any = None, **limits: Any) -> ServerThr
     from prefixflight.backends.torch import AsyncEngine, EngineConfig
     from prefixflight.serve.http import ServerConfig, build_app
 
+    send_buffer = limits.pop("send_buffer", None)
     engine_limits = {k: limits.pop(k) for k in ("max_running", "num_pages") if k in limits}
     engine_limits.setdefault("num_pages", 1024)
     engine_limits.setdefault("max_running", 8)
@@ -142,7 +145,7 @@ def start_tiny_server(model: Any, codec: Any = None, **limits: Any) -> ServerThr
     )
     config = ServerConfig(model_name=MODEL_NAME, **limits)
     app = build_app(engine, CharCodec() if codec is None else codec, config)
-    return ServerThread(app).start()
+    return ServerThread(app, send_buffer=send_buffer).start()
 
 
 @pytest.fixture(scope="module")
