@@ -161,9 +161,9 @@ class TinyServer:
             [str(ROOT / d) for d in ("core", "specs", "backends", "serve")]
             + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
         )
+        argv = ["serve", "--model", "tiny", "--port", "0", "--threads", "1", *flags]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "prefixflight.cli", "serve", "--model", "tiny", "--port", "0"]
-            + ["--threads", "1", *flags],
+            [sys.executable, "-m", "prefixflight.cli", *argv],
             stderr=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             text=True,
