@@ -263,3 +263,36 @@ def test_vllm_sampling_parameters_are_honoured(server: Any, tiny: Any, codec: An
     # min_tokens holds the stop token back for that many tokens
     assert answer(temperature=0, stop_token_ids=[ids[0]])[2] == 1
     assert answer(temperature=0, stop_token_ids=[ids[0]], min_tokens=3)[2] >= 3
+
+
+class RefusingCodec:
+    """A codec whose chat template raises on a conversation, as Jinja templates do
+    (``raise_exception('Conversation roles must alternate')``)."""
+
+    def __init__(self) -> None:
+        from .conftest import CharCodec
+
+        self.inner = CharCodec()
+
+    def encode(self, text: str) -> list[int]:
+        return self.inner.encode(text)
+
+    def decode(self, ids: Any) -> str:
+        return self.inner.decode(ids)
+
+    def chat(self, messages: Any) -> list[int]:
+        if len(messages) > 1:
+            raise ValueError("Conversation roles must alternate user/assistant")
+        return self.inner.chat(messages)
+
+
+def test_a_conversation_the_chat_template_refuses_is_a_400(start_server: Any) -> None:
+    srv = start_server(codec=RefusingCodec())
+    two = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+    for path, body in (
+        ("/tokenize", {"messages": two}),
+        ("/v1/chat/completions", {"messages": two}),
+    ):
+        assert_400_naming(post(srv, path, body), "roles must alternate")
+    # no messages at all: a 400 from the schema (schemathesis found a 500 here)
+    assert_400_naming(post(srv, "/tokenize", {"messages": [], "model": None}), "messages")

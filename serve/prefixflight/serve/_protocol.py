@@ -151,7 +151,7 @@ class TokenizeRequest(_Request):
 
     model: Text | None = None
     prompt: Text | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
 
 
 class DetokenizeRequest(_Request):

@@ -246,6 +246,12 @@ class Server:
             return await self.in_text_thread(self.codec.chat, dicts)
         except UsageError as exc:
             raise ApiError(400, str(exc), param="messages") from None
+        except Exception as exc:  # a template refusing these messages (jinja raises)
+            raise ApiError(
+                400,
+                f"the chat template cannot render these messages ({type(exc).__name__}: {exc})",
+                param="messages",
+            ) from None
 
     def close_text_thread(self) -> None:
         self._text_thread.shutdown(wait=False, cancel_futures=True)
