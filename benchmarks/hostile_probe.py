@@ -12,7 +12,8 @@ progress, no pinned or private page) and records the server's RSS and open file 
 It fails (exit 1) on any 5xx, any probe that hangs past its timeout, gauges not idle, or
 descriptors not back. It prints a JSON summary (``--json FILE`` writes it).
 
-    python benchmarks/hostile_probe.py --model smollm2 --rounds 2 --json docs/results/hostile_probe.json
+    python benchmarks/hostile_probe.py --model smollm2 --rounds 2 \
+        --json docs/results/hostile_probe.json
 """
 
 from __future__ import annotations
@@ -43,8 +44,17 @@ def start(model: str, flags: list[str]) -> tuple[subprocess.Popen[str], str, lis
         + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
     )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "prefixflight.cli", "serve", "--model", model, "--port", "0"]
-        + flags,
+        [
+            sys.executable,
+            "-m",
+            "prefixflight.cli",
+            "serve",
+            "--model",
+            model,
+            "--port",
+            "0",
+            *flags,
+        ],
         stderr=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         text=True,
@@ -102,7 +112,7 @@ MALFORMED = [
     b"",
     b"null",
 ]
-NUMBERS = [
+NUMBERS: list[dict[str, Any]] = [
     {"max_tokens": 10**30},
     {"max_tokens": -5},
     {"max_tokens": 0},
@@ -135,7 +145,9 @@ async def malformed_and_numbers(client: httpx.AsyncClient, url: str, tally: Tall
         body = {"prompt": "Say hi.", "max_tokens": 2, **extra}
         raw = json.dumps(body, allow_nan=True).encode()
         for path in ("/v1/completions",):
-            r = await client.post(url + path, content=raw, headers={"content-type": "application/json"})
+            r = await client.post(
+                url + path, content=raw, headers={"content-type": "application/json"}
+            )
             tally.saw(f"numbers {extra}", r.status_code)
 
 
@@ -149,17 +161,19 @@ async def streams_half_disconnecting(url: str, tally: Tally, n: int = 64) -> dic
             "stream": True,
             "ignore_eos": True,
         }
-        async with httpx.AsyncClient(timeout=300) as client:
-            async with client.stream("POST", url + "/v1/completions", json=body) as r:
-                tally.saw("stream", r.status_code)
-                if r.status_code != 200:
-                    return
-                async for line in r.aiter_lines():
-                    if i % 2 and line.startswith("data: {"):
-                        done["disconnected"] += 1
-                        return  # leaving the block closes the connection
-                    if line == "data: [DONE]":
-                        done["finished"] += 1
+        async with (
+            httpx.AsyncClient(timeout=300) as client,
+            client.stream("POST", url + "/v1/completions", json=body) as r,
+        ):
+            tally.saw("stream", r.status_code)
+            if r.status_code != 200:
+                return
+            async for line in r.aiter_lines():
+                if i % 2 and line.startswith("data: {"):
+                    done["disconnected"] += 1
+                    return  # leaving the block closes the connection
+                if line == "data: [DONE]":
+                    done["finished"] += 1
 
     await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(n))), timeout=600)
     return done
@@ -190,10 +204,16 @@ def stalled_clients(url: str, timeout: float, n: int = 100) -> dict[str, Any]:
             closed += 1
         finally:
             s.close()
-    return {"opened": n, "closed_by_server": closed, "seconds": round(time.monotonic() - started, 1)}
+    return {
+        "opened": n,
+        "closed_by_server": closed,
+        "seconds": round(time.monotonic() - started, 1),
+    }
 
 
-async def big_bodies(client: httpx.AsyncClient, url: str, tally: Tally, limit: int) -> dict[str, Any]:
+async def big_bodies(
+    client: httpx.AsyncClient, url: str, tally: Tally, limit: int
+) -> dict[str, Any]:
     # over the limit: the server answers 413 from the headers alone, reading none of the body
     host, port = url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as s:
@@ -208,7 +228,9 @@ async def big_bodies(client: httpx.AsyncClient, url: str, tally: Tally, limit: i
     under = b'{"prompt": "' + b"word " * (limit // 10) + b'"}'  # half the limit
     started = time.monotonic()
     task = asyncio.ensure_future(
-        client.post(url + "/v1/completions", content=under, headers={"content-type": "application/json"})
+        client.post(
+            url + "/v1/completions", content=under, headers={"content-type": "application/json"}
+        )
     )
     await asyncio.sleep(0.5)  # the upload is in; it is being parsed and tokenized
     health = []
@@ -282,7 +304,9 @@ def main() -> int:
     rounds = []
     ok = True
     try:
-        httpx.post(url + "/v1/completions", json={"prompt": "warm up", "max_tokens": 2}, timeout=300)
+        httpx.post(
+            url + "/v1/completions", json={"prompt": "warm up", "max_tokens": 2}, timeout=300
+        )
         before = proc_stats(proc.pid)
         for i in range(args.rounds):
             result = asyncio.run(round_(url, args, tally))

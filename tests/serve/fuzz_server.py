@@ -78,7 +78,9 @@ def start_server(model: str, flags: list[str]) -> tuple[subprocess.Popen[str], s
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--st", required=True, help="the schemathesis command (st) to run")
-    ap.add_argument("--seed", type=int, action="append", help="seeds to run (default: 0 and a fresh one)")
+    ap.add_argument(
+        "--seed", type=int, action="append", help="seeds to run (default: 0 and a fresh one)"
+    )
     ap.add_argument("--max-time", type=int, default=60, help="seconds per seed (default 60)")
     ap.add_argument("--max-examples", type=int, default=None, help="examples per operation")
     ap.add_argument("--phases", default="examples,coverage,fuzzing", help="schemathesis phases")
@@ -91,7 +93,9 @@ def main() -> int:
     failed = False
     try:
         for seed in seeds:
-            print(f"== schemathesis against {url}, seed {seed} (rerun with --seed {seed})", flush=True)
+            print(
+                f"== schemathesis against {url}, seed {seed} (rerun with --seed {seed})", flush=True
+            )
             cmd = [
                 args.st, "run", f"{url}/openapi.json", "--checks", args.checks,
                 "--phases", args.phases, "--seed", str(seed), "--max-time", str(args.max_time),
