@@ -60,6 +60,12 @@ def test_the_schema_documents_every_status_and_no_422(server: Any) -> None:
         assert {"200", "400", "404", "408", "413", "429", "500", "503"} <= set(responses)
         assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}
         assert "Retry-After" in responses["429"]["headers"]
+        event = responses["200"]["content"]["text/event-stream"]["schema"]  # one event
+        assert event["type"] == "object" and event["required"] == ["data"]
+        chunk = "ChatChunk" if "chat" in path else "CompletionChunk"
+        refs = event["properties"]["data"]["contentSchema"]["anyOf"]
+        assert {r["$ref"].rsplit("/", 1)[1] for r in refs} == {chunk, "ErrorResponse"}
+        assert chunk in schema["components"]["schemas"]
     for path in ("/tokenize", "/detokenize"):
         assert {"200", "400", "404", "413"} <= set(schema["paths"][path]["post"]["responses"])
     metrics = schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"]

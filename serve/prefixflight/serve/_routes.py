@@ -85,6 +85,27 @@ def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return out
 
 
+def _event(chunk: type) -> dict[str, Any]:
+    """One server-sent event, as tools that read ``text/event-stream`` schemas (schemathesis)
+    see it: an object whose ``data`` is a chunk's JSON, an error's JSON, or ``[DONE]``."""
+    refs = [{"$ref": f"#/components/schemas/{m.__name__}"} for m in (chunk, ErrorResponse)]
+    return {
+        "type": "object",
+        "required": ["data"],
+        "properties": {
+            "data": {
+                "type": "string",
+                "contentMediaType": "application/json",
+                "contentSchema": {"anyOf": refs},
+                "description": f"`{chunk.__name__}` or `ErrorResponse` JSON, or `[DONE]`",
+            },
+            "event": {"type": "string"},
+            "id": {"type": "string"},
+            "retry": {"type": "integer"},
+        },
+    }
+
+
 def _generated(model: type, chunk: type) -> dict[int | str, dict[str, Any]]:
     return {
         200: {
@@ -92,9 +113,7 @@ def _generated(model: type, chunk: type) -> dict[int | str, dict[str, Any]]:
             "description": f"`{model.__name__}`; with `stream: true`, server-sent events: "
             f"`data: <{chunk.__name__} JSON>` per chunk (or one `data: <ErrorResponse JSON>` "
             "if the request fails after the 200), then `data: [DONE]`",
-            "content": {
-                "text/event-stream": {"schema": {"type": "string", "format": "event-stream"}}
-            },
+            "content": {"text/event-stream": {"schema": _event(chunk)}},
         }
     }
 
@@ -337,6 +356,11 @@ def openapi_schema(schema: dict[str, Any], *, keys_required: bool) -> dict[str, 
     schemas = components.setdefault("schemas", {})
     for name in ("HTTPValidationError", "ValidationError"):
         schemas.pop(name, None)
+    for chunk in (CompletionChunk, ChatChunk):  # named by the event streams' schemas
+        js = chunk.model_json_schema(ref_template="#/components/schemas/{model}")
+        for name, sub in js.pop("$defs", {}).items():
+            schemas.setdefault(name, sub)
+        schemas[chunk.__name__] = js
     for path, operations in schema.get("paths", {}).items():
         for op in operations.values():
             responses = op.setdefault("responses", {})
