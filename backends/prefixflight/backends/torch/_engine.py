@@ -32,7 +32,6 @@ from prefixflight.core import (
     LRU,
     S3FIFO,
     ConfigError,
-    EventSink,
     FlightConfig,
     FlightCoordinator,
     PrefixCache,
@@ -49,6 +48,7 @@ from prefixflight.core import (
     UsageError,
 )
 from prefixflight.core._validate import check_int, instance_field, int_field, optional_int_field
+from prefixflight.core.cache import EventSink
 from prefixflight.core.flight._pages import pages_for
 
 from ._runner import TransformersRunner
