@@ -27,7 +27,7 @@ import attrs
 from prefixflight.core import BlockHash, BlockHasher, UsageError
 from prefixflight.core._validate import assert_never
 
-from ._kv_wire import (
+from ._wire import (
     WireAllBlocksCleared,
     WireBatch,
     WireBlockRemoved,

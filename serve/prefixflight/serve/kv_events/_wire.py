@@ -1,38 +1,49 @@
-"""vLLM's KV-event wire format, pure: typed events, msgpack encode and decode, topics, hashes.
+"""vLLM's KV-event wire format as msgspec structs: typed events, both encodings, frames, hashes.
 
-The schema is vLLM's ``vllm/distributed/kv_events.py`` (``EventBatch``, ``BlockStored``,
-``BlockRemoved``, ``AllBlocksCleared``; read at vllm-project/vllm commit 0181ea31, and at
-b4e69e0a for the older positional form). A batch is ``[ts, events, data_parallel_rank]``;
-each event is tagged by its class name and carries vLLM's fields in vLLM's order. Two
-encodings exist in the wild and both decode here:
+The schema is vLLM 0.32's ``vllm/distributed/kv_events.py`` (``KVEventBatch``,
+``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``): msgspec structs, tagged with their
+class name, ``omit_defaults=True``. The batch is positional, ``[ts, events,
+data_parallel_rank]`` (``array_like=True``). Two event encodings exist in the wild:
 
-- positional (msgspec ``array_like=True``, every vLLM release before vLLM PR #42892):
+- ``"map"`` (vLLM since vLLM PR #42892, so 0.32): each event a map ``{"type": "BlockStored",
+  "block_hashes": ..., ...}``; fields left at their default are omitted, the ones vLLM
+  declares without a default (``lora_id``, ``medium``, ``lora_name``) are always present;
+- ``"array"`` (every vLLM release before that PR, and llm-d's first decoders): each event
   ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
-  lora_name, ...]``;
-- named (after that PR): ``{"type": "BlockStored", "block_hashes": ..., ...}``; the batch
-  itself may be positional (as captured from vLLM 0.26) or a map (as the struct is declared
-  at 0181ea31).
+  lora_name, extra_keys, group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window]``; an
+  ``array_like`` struct carries every field its version declares, and releases appended
+  fields, so a decoder takes any length from the required fields up.
 
-vLLM's structs use ``omit_defaults=True``, which drops defaulted fields from a map but not
-from an array (an ``array_like`` struct always carries every field its version declares),
-and every vLLM release appended fields, so a decoder takes any length from the required
-fields up and ignores fields it does not know. No sockets here:
-`prefixflight.serve.kv_events` moves the bytes.
+`decode_batch` reads both (and the two-field batch of the first release, and a batch sent as
+a map), `encode_batch` writes either, byte for byte as vLLM's own structs encode. The public
+event types decode straight from vLLM 0.32's form; other forms go through private structs
+of the same schema. No sockets here: the publisher and subscriber move the bytes.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping, Sequence
-from typing import Final, Literal, TypeAlias
+import re
+import sys
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from typing import Annotated, Any, Final, Literal, TypeAlias, final
 
-import attrs
 import msgspec
 
-from prefixflight.core import BlockHash, UsageError
+from prefixflight.core import (
+    AllBlocksCleared,
+    BlockHash,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    UsageError,
+)
+from prefixflight.core._validate import assert_never
 
 __all__ = [
     "END_SEQ",
+    "HashEncoding",
+    "KVEventFormatError",
     "WireAllBlocksCleared",
     "WireBatch",
     "WireBlockRemoved",
@@ -40,8 +51,6 @@ __all__ = [
     "WireEncoding",
     "WireEvent",
     "WireHash",
-    "HashEncoding",
-    "KVEventFormatError",
     "decode_batch",
     "encode_batch",
     "fold_hash",
@@ -50,14 +59,15 @@ __all__ = [
     "parse_replay_frames",
     "parse_topic",
     "to_wire_hash",
+    "wire_events",
 ]
 
 WireHash: TypeAlias = int | bytes
 """A block hash as vLLM sends it: an int (its default) or the digest's bytes."""
 
-WireEncoding: TypeAlias = Literal["array", "map"]
-"""``"array"``: positional events (vLLM before PR #42892, read by every llm-d release);
-``"map"``: events as tagged maps in a positional batch (vLLM after that PR)."""
+WireEncoding: TypeAlias = Literal["map", "array"]
+"""``"map"``: events as tagged maps in the positional batch (vLLM after PR #42892, so 0.32,
+and the default); ``"array"``: positional events (vLLM before that PR, older llm-d)."""
 
 HashEncoding: TypeAlias = Literal["int", "bytes"]
 """``"int"``: a 32-byte digest goes out as its last 8 bytes, big-endian (vLLM's default,
@@ -71,6 +81,175 @@ _MASK64: Final = (1 << 64) - 1
 
 class KVEventFormatError(UsageError):
     """A KV-event payload or frame that cannot be decoded; the message names the field."""
+
+
+# -- the schema -------------------------------------------------------------------------------
+
+_Hash: TypeAlias = int | Annotated[bytes, msgspec.Meta(min_length=1)]
+_BlockSize: TypeAlias = Annotated[int, msgspec.Meta(ge=1)]
+_Finite: TypeAlias = Annotated[
+    float, msgspec.Meta(ge=-sys.float_info.max, le=sys.float_info.max)
+]
+_ExtraKeys: TypeAlias = tuple[tuple[Any, ...] | None, ...] | None
+
+
+def _tuples(struct: msgspec.Struct, *names: str) -> None:
+    """Store the sequence fields ``names`` of a frozen struct as tuples (a decoded struct has
+    tuples already): equal values compare and hash alike however they were built."""
+    for name in names:
+        value = getattr(struct, name)
+        if type(value) is not tuple and value is not None:
+            msgspec.structs.force_setattr(struct, name, tuple(value))
+
+
+@final
+class WireBlockStored(
+    msgspec.Struct, frozen=True, omit_defaults=True, gc=False, tag="BlockStored"
+):
+    """vLLM's ``BlockStored``: blocks entered the cache, chained after ``parent_block_hash``.
+
+    ``token_ids`` holds ``block_size`` tokens per block (empty when the publisher sends
+    none); ``extra_keys`` holds one entry per block (vLLM's LoRA name, multimodal keys,
+    cache salt); ``group_idx`` and ``kv_cache_spec_*`` describe the KV-cache group of a
+    hybrid model; ``locality``, ``ownership`` and ``session_id`` come from vLLM's offloading
+    connectors. Every field after ``block_size`` is optional.
+    """
+
+    block_hashes: tuple[_Hash, ...]
+    parent_block_hash: _Hash | None
+    token_ids: tuple[int, ...]
+    block_size: _BlockSize
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: _ExtraKeys = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+
+    def __post_init__(self) -> None:
+        _tuples(self, "block_hashes", "token_ids", "extra_keys")
+
+
+@final
+class WireBlockRemoved(
+    msgspec.Struct, frozen=True, omit_defaults=True, gc=False, tag="BlockRemoved"
+):
+    """vLLM's ``BlockRemoved``: blocks left ``medium`` (``None``: the GPU, as before vLLM
+    sent the field)."""
+
+    block_hashes: tuple[_Hash, ...]
+    medium: str | None = None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+    def __post_init__(self) -> None:
+        _tuples(self, "block_hashes")
+
+
+@final
+class WireAllBlocksCleared(
+    msgspec.Struct, frozen=True, omit_defaults=True, gc=False, tag="AllBlocksCleared"
+):
+    """vLLM's ``AllBlocksCleared``: the cache was emptied."""
+
+
+WireEvent: TypeAlias = WireBlockStored | WireBlockRemoved | WireAllBlocksCleared
+
+
+@final
+class WireBatch(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """vLLM's ``KVEventBatch``: the events of one engine step, in order."""
+
+    ts: _Finite
+    events: tuple[WireEvent, ...]
+    data_parallel_rank: int | None = None
+
+    def __post_init__(self) -> None:
+        _tuples(self, "events")
+
+
+# vLLM 0.32's structs exactly (the map form): lora_id, medium and lora_name have no default,
+# so vLLM's decoder requires them and omit_defaults never drops them.
+class _MapStored(msgspec.Struct, omit_defaults=True, gc=False, tag="BlockStored"):
+    block_hashes: list[_Hash]
+    parent_block_hash: _Hash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: _ExtraKeys = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+
+
+class _MapRemoved(msgspec.Struct, omit_defaults=True, gc=False, tag="BlockRemoved"):
+    block_hashes: list[_Hash]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class _MapCleared(msgspec.Struct, omit_defaults=True, gc=False, tag="AllBlocksCleared"):
+    pass
+
+
+# The positional form, as the last release before vLLM PR #42892 declared it, with every
+# field after the required ones optional (older releases sent fewer).
+class _ArrayStored(msgspec.Struct, array_like=True, gc=False, tag="BlockStored"):
+    block_hashes: tuple[_Hash, ...]
+    parent_block_hash: _Hash | None
+    token_ids: tuple[int, ...]
+    block_size: _BlockSize
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: _ExtraKeys = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class _ArrayRemoved(msgspec.Struct, array_like=True, gc=False, tag="BlockRemoved"):
+    block_hashes: tuple[_Hash, ...]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class _ArrayCleared(msgspec.Struct, array_like=True, gc=False, tag="AllBlocksCleared"):
+    pass
+
+
+_ArrayEvent: TypeAlias = _ArrayStored | _ArrayRemoved | _ArrayCleared
+
+
+class _ArrayBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: _Finite
+    events: tuple[_ArrayEvent, ...]
+    data_parallel_rank: int | None = None
+
+
+_TAGS: Final = {"BlockStored", "BlockRemoved", "AllBlocksCleared"}
+_ARRAY_FIELDS: Final = {c.__struct_config__.tag: c.__struct_fields__ for c in
+                        (_ArrayStored, _ArrayRemoved, _ArrayCleared)}  # fmt: skip
+_PUBLIC: Final[dict[type, type[WireEvent]]] = {
+    _ArrayStored: WireBlockStored,
+    _ArrayRemoved: WireBlockRemoved,
+    _ArrayCleared: WireAllBlocksCleared,
+}
+
+
+# -- hashes and topics ------------------------------------------------------------------------
 
 
 def fold_hash(h: object) -> int:
@@ -113,6 +292,8 @@ def parse_topic(topic: str) -> tuple[str, str]:
     return topic, ""
 
 
+# -- frames -----------------------------------------------------------------------------------
+
 _SEQ_BYTES: Final = 8
 
 
@@ -141,241 +322,239 @@ def parse_replay_frames(frames: Sequence[bytes]) -> tuple[str | None, int, bytes
     return topic, int.from_bytes(body[0], "big", signed=True), body[1]
 
 
-def _hashes(value: Sequence[WireHash]) -> tuple[WireHash, ...]:
-    return tuple(value)
-
-
-def _ints(value: Sequence[int]) -> tuple[int, ...]:
-    return tuple(value)
-
-
-@attrs.frozen(kw_only=True)
-class WireBlockStored:
-    """vLLM's ``BlockStored``: blocks entered the cache, chained after ``parent_block_hash``."""
-
-    block_hashes: tuple[WireHash, ...] = attrs.field(converter=_hashes)
-    parent_block_hash: WireHash | None
-    token_ids: tuple[int, ...] = attrs.field(converter=_ints)
-    block_size: int
-    lora_id: int | None = None
-    medium: str | None = None
-    lora_name: str | None = None
-    group_idx: int | None = None
-
-
-@attrs.frozen(kw_only=True)
-class WireBlockRemoved:
-    """vLLM's ``BlockRemoved``."""
-
-    block_hashes: tuple[WireHash, ...] = attrs.field(converter=_hashes)
-    medium: str | None = None
-    group_idx: int | None = None
-
-
-@attrs.frozen
-class WireAllBlocksCleared:
-    """vLLM's ``AllBlocksCleared``."""
-
-
-WireEvent: TypeAlias = WireBlockStored | WireBlockRemoved | WireAllBlocksCleared
-
-
-def _events(value: Sequence[WireEvent]) -> tuple[WireEvent, ...]:
-    return tuple(value)
-
-
-@attrs.frozen(kw_only=True)
-class WireBatch:
-    """vLLM's ``EventBatch``: the events of one engine step, in order."""
-
-    ts: float
-    events: tuple[WireEvent, ...] = attrs.field(converter=_events)
-    data_parallel_rank: int | None = None
-
-
 # -- encoding ---------------------------------------------------------------------------------
 
 _encoder: Final = msgspec.msgpack.Encoder()
+_MAP_CLEARED: Final = _MapCleared()
+_ARRAY_CLEARED: Final = _ArrayCleared()
 
 
-def _event_fields(event: WireEvent) -> tuple[str, list[tuple[str, object, bool]]]:
-    """The tag and ``(name, value, has_default)`` in vLLM's declaration order."""
-    if isinstance(event, WireBlockStored):
-        return "BlockStored", [
-            ("block_hashes", list(event.block_hashes), False),
-            ("parent_block_hash", event.parent_block_hash, False),
-            ("token_ids", list(event.token_ids), False),
-            ("block_size", event.block_size, False),
-            ("lora_id", event.lora_id, False),
-            ("medium", event.medium, False),
-            ("lora_name", event.lora_name, False),
-            ("extra_keys", None, True),
-            ("group_idx", event.group_idx, True),
-            ("kv_cache_spec_kind", None, True),
-            ("kv_cache_spec_sliding_window", None, True),
-        ]
-    if isinstance(event, WireBlockRemoved):
-        return "BlockRemoved", [
-            ("block_hashes", list(event.block_hashes), False),
-            ("medium", event.medium, False),
-            ("group_idx", event.group_idx, True),
-        ]
-    return "AllBlocksCleared", []
+def _as_map(e: WireEvent) -> msgspec.Struct:
+    if type(e) is WireBlockStored:
+        return _MapStored(*msgspec.structs.astuple(e))
+    if type(e) is WireBlockRemoved:
+        return _MapRemoved(*msgspec.structs.astuple(e))
+    if type(e) is WireAllBlocksCleared:
+        return _MAP_CLEARED
+    raise UsageError(f"expected a WireEvent, got {e!r}")
 
 
-def _encode_event(event: WireEvent, encoding: WireEncoding) -> object:
-    tag, fields = _event_fields(event)
-    # msgspec's omit_defaults drops a field left at its default (None here) from a map; an
-    # array_like struct always carries every field.
-    if encoding == "map":
-        out: dict[str, object] = {"type": tag}
-        for name, value, has_default in fields:
-            if not (has_default and value is None):
-                out[name] = value
-        return out
-    return [tag, *(value for _, value, _ in fields)]
+def _as_array(e: WireEvent) -> msgspec.Struct:
+    if type(e) is WireBlockStored:
+        return _ArrayStored(*msgspec.structs.astuple(e)[:11])
+    if type(e) is WireBlockRemoved:
+        return _ArrayRemoved(*msgspec.structs.astuple(e)[:3])
+    if type(e) is WireAllBlocksCleared:
+        return _ARRAY_CLEARED
+    raise UsageError(f"expected a WireEvent, got {e!r}")
 
 
-def encode_batch(batch: WireBatch, *, encoding: WireEncoding = "array") -> bytes:
-    """msgpack bytes of ``batch``, byte for byte as vLLM's msgspec structs encode it."""
-    if encoding not in ("array", "map"):
-        raise UsageError(f"encoding must be 'array' or 'map', got {encoding!r}")
-    events = [_encode_event(e, encoding) for e in batch.events]
-    return _encoder.encode([float(batch.ts), events, batch.data_parallel_rank])
+def _check_encoding(encoding: object) -> None:
+    if encoding not in ("map", "array"):
+        raise UsageError(f"encoding must be 'map' or 'array', got {encoding!r}")
+
+
+def encode_batch(batch: WireBatch, *, encoding: WireEncoding = "map") -> bytes:
+    """msgpack bytes of ``batch``, byte for byte as vLLM's structs encode it: ``"map"``
+    (vLLM 0.32's form, the default) or ``"array"`` (positional, for older consumers; the
+    fields vLLM appended after that form, ``locality`` and on, are left out)."""
+    _check_encoding(encoding)
+    convert = _as_map if encoding == "map" else _as_array
+    events = [convert(e) for e in batch.events]
+    return _encoder.encode((batch.ts, events, batch.data_parallel_rank))
 
 
 # -- decoding ---------------------------------------------------------------------------------
 
-_decoder: Final = msgspec.msgpack.Decoder()
-
-_STORED_ORDER: Final = (
-    "block_hashes",
-    "parent_block_hash",
-    "token_ids",
-    "block_size",
-    "lora_id",
-    "medium",
-    "lora_name",
-    "extra_keys",
-    "group_idx",
-    "kv_cache_spec_kind",
-    "kv_cache_spec_sliding_window",
-)
-_REMOVED_ORDER: Final = ("block_hashes", "medium", "group_idx")
-_REQUIRED: Final = {"BlockStored": 4, "BlockRemoved": 1, "AllBlocksCleared": 0}
-
-
-def _bad(where: str, message: str) -> KVEventFormatError:
-    return KVEventFormatError(f"{where}: {message}")
-
-
-def _hash(value: object, where: str) -> WireHash:
-    if isinstance(value, bytes) and value:
-        return value
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    raise _bad(where, f"expected an int or non-empty bytes block hash, got {value!r}")
-
-
-def _hash_list(value: object, where: str) -> tuple[WireHash, ...]:
-    if not isinstance(value, list):
-        raise _bad(where, f"expected an array of block hashes, got {value!r}")
-    return tuple(_hash(h, f"{where}[{i}]") for i, h in enumerate(value))
-
-
-def _opt_int(value: object, where: str) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    raise _bad(where, f"expected an int or nil, got {value!r}")
-
-
-def _opt_str(value: object, where: str) -> str | None:
-    if value is None or isinstance(value, str):
-        return value
-    raise _bad(where, f"expected a str or nil, got {value!r}")
-
-
-def _named(raw: object, where: str) -> tuple[str, dict[str, object]]:
-    """An event in either form as its tag and a field-name -> value dict."""
-    if isinstance(raw, list):
-        if not raw or not isinstance(raw[0], str):
-            raise _bad(where, f"expected a tagged event, got {raw!r}")
-        tag = raw[0]
-        order = {"BlockStored": _STORED_ORDER, "BlockRemoved": _REMOVED_ORDER}.get(tag, ())
-        return tag, dict(zip(order, raw[1:], strict=False))
-    if isinstance(raw, dict):
-        named = raw.get("type")
-        if not isinstance(named, str):
-            raise _bad(where, f"expected a 'type' tag, got {raw!r}")
-        return named, {str(k): v for k, v in raw.items() if k != "type"}
-    raise _bad(where, f"expected an array or a map, got {raw!r}")
-
-
-def _decode_event(raw: object, where: str) -> WireEvent:
-    tag, f = _named(raw, where)
-    if tag not in _REQUIRED:
-        raise _bad(where, f"unknown event tag {tag!r}")
-    order = _STORED_ORDER if tag == "BlockStored" else _REMOVED_ORDER
-    missing = [n for n in order[: _REQUIRED[tag]] if n not in f]
-    if missing:
-        raise _bad(where, f"{tag} is missing {', '.join(missing)}")
-    if tag == "AllBlocksCleared":
-        return WireAllBlocksCleared()
-    hashes = _hash_list(f["block_hashes"], f"{where}.block_hashes")
-    medium = _opt_str(f.get("medium"), f"{where}.medium")
-    group = _opt_int(f.get("group_idx"), f"{where}.group_idx")
-    if tag == "BlockRemoved":
-        return WireBlockRemoved(block_hashes=hashes, medium=medium, group_idx=group)
-    parent_raw = f["parent_block_hash"]
-    parent = None if parent_raw is None else _hash(parent_raw, f"{where}.parent_block_hash")
-    tokens = f["token_ids"]
-    if not isinstance(tokens, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) for t in tokens
-    ):
-        raise _bad(f"{where}.token_ids", f"expected an array of ints, got {tokens!r}")
-    block_size = _opt_int(f["block_size"], f"{where}.block_size")
-    if block_size is None or block_size < 1:
-        raise _bad(f"{where}.block_size", f"expected an int >= 1, got {f['block_size']!r}")
-    return WireBlockStored(
-        block_hashes=hashes,
-        parent_block_hash=parent,
-        token_ids=tokens,
-        block_size=block_size,
-        lora_id=_opt_int(f.get("lora_id"), f"{where}.lora_id"),
-        medium=medium,
-        lora_name=_opt_str(f.get("lora_name"), f"{where}.lora_name"),
-        group_idx=group,
-    )
+_decode_map: Final = msgspec.msgpack.Decoder(WireBatch).decode  # vLLM 0.32's form
+_decode_array: Final = msgspec.msgpack.Decoder(_ArrayBatch).decode
+_decode_any: Final = msgspec.msgpack.Decoder().decode
+_AT: Final = re.compile(r"^(.*?)(?: - at `\$(.*)`)?$", re.S)
+_INDEX: Final = re.compile(r"^\[(\d+)\]")
 
 
 def decode_batch(payload: bytes) -> WireBatch:
     """A `WireBatch` from msgpack bytes in any of vLLM's forms (see the module docstring).
 
-    Raises `KVEventFormatError` naming the offending field.
+    Raises `KVEventFormatError` naming the offending field (``batch.events[2].block_size:
+    Expected `int` >= 1``).
     """
     try:
-        raw = _decoder.decode(payload)
+        return _decode_map(payload)
+    except msgspec.ValidationError:
+        pass
     except msgspec.DecodeError as exc:
         raise KVEventFormatError(f"payload is not msgpack: {exc}") from None
-    fields: Mapping[str, object]
-    if isinstance(raw, list):
-        if len(raw) < 2:
-            raise _bad("batch", f"expected [ts, events, data_parallel_rank?], got {raw!r}")
-        fields = dict(zip(("ts", "events", "data_parallel_rank"), raw, strict=False))
-    elif isinstance(raw, dict):
-        fields = {str(k): v for k, v in raw.items()}
-    else:
-        raise _bad("batch", f"expected an array or a map, got {raw!r}")
-    ts = fields.get("ts")
-    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts):
-        raise _bad("batch.ts", f"expected a finite number, got {ts!r}")
-    events = fields.get("events")
-    if not isinstance(events, list):
-        raise _bad("batch.events", f"expected an array, got {events!r}")
+    try:
+        arr = _decode_array(payload)
+    except msgspec.ValidationError:
+        return _decode_slowly(payload)  # mixed forms, a map batch, or an error to name
     return WireBatch(
-        ts=float(ts),
-        events=tuple(_decode_event(e, f"batch.events[{i}]") for i, e in enumerate(events)),
-        data_parallel_rank=_opt_int(fields.get("data_parallel_rank"), "batch.data_parallel_rank"),
+        arr.ts, tuple(_public(e) for e in arr.events), arr.data_parallel_rank
     )
+
+
+def _public(e: _ArrayEvent) -> WireEvent:
+    return _PUBLIC[type(e)](*msgspec.structs.astuple(e))
+
+
+def _decode_slowly(payload: bytes) -> WireBatch:
+    """Field by field, so that an error names its field (and forms may mix)."""
+    raw = _decode_any(payload)
+    if isinstance(raw, list) and 2 <= len(raw) <= 3:
+        ts, events, rank = (*raw, None)[:3]
+    elif isinstance(raw, dict) and "ts" in raw and "events" in raw:
+        ts, events, rank = raw["ts"], raw["events"], raw.get("data_parallel_rank")
+    else:
+        raise KVEventFormatError(f"batch: expected [ts, events, data_parallel_rank], got {raw!r}")
+    ts = _convert(ts, _Finite, "batch.ts")
+    rank = _convert(rank, int | None, "batch.data_parallel_rank")
+    if not isinstance(events, list):
+        raise KVEventFormatError(f"batch.events: expected an array, got {events!r}")
+    return WireBatch(ts, tuple(_event(e, f"batch.events[{i}]") for i, e in enumerate(events)),
+                     rank)  # fmt: skip
+
+
+def _event(raw: object, where: str) -> WireEvent:
+    tag: object = None
+    if isinstance(raw, dict):
+        tag = raw.get("type")
+    elif isinstance(raw, list) and raw:
+        tag = raw[0]
+    if not isinstance(tag, str):
+        raise KVEventFormatError(f"{where}: expected an event tagged by its 'type', got {raw!r}")
+    if tag not in _TAGS:
+        raise KVEventFormatError(f"{where}: unknown event tag {tag!r}")
+    if isinstance(raw, dict):
+        event: WireEvent = _convert(raw, WireEvent, where)
+        return event
+    return _public(_convert(raw, _ArrayEvent, where, _ARRAY_FIELDS[tag]))
+
+
+def _convert(value: object, kind: Any, where: str, fields: tuple[str, ...] = ()) -> Any:
+    """``msgspec.convert`` naming the field of an error (by name for a positional event)."""
+    try:
+        return msgspec.convert(value, kind)
+    except msgspec.ValidationError as exc:
+        message, path = _AT.match(str(exc)).groups()  # type: ignore[union-attr]
+        path = path or ""
+        index = _INDEX.match(path)
+        if fields and index:  # $[k] of a positional event is field k-1 (k=0 is the tag)
+            k = int(index[1])
+            path = "." + (fields[k - 1] if 0 < k <= len(fields) else "type") + path[index.end():]
+        missing = re.match(r"Expected `array` of at least length (\d+)", message)
+        if fields and missing and isinstance(value, list):
+            names = fields[len(value) - 1 : int(missing[1]) - 1]
+            message = f"{value[0]} is missing {', '.join(names)}"
+        raise KVEventFormatError(f"{where}{path}: {message}") from None
+
+
+# -- the core's events as vLLM's ---------------------------------------------------------------
+
+
+def _folder(hash_encoding: HashEncoding) -> Callable[[BlockHash], WireHash]:
+    """`to_wire_hash` for one encoding, with the common case (a sha256 digest) inlined."""
+    if hash_encoding == "bytes":
+        return lambda b: b if type(b) is bytes else fold_hash(b)
+    return lambda b: int.from_bytes(b[-8:], "big") if type(b) is bytes and b else fold_hash(b)
+
+
+_Family: TypeAlias = tuple[Callable[..., Any], Callable[..., Any], object]
+_FAMILIES: Final[dict[str, _Family]] = {
+    "public": (WireBlockStored, WireBlockRemoved, WireAllBlocksCleared()),
+    "map": (_MapStored, _MapRemoved, _MAP_CLEARED),
+    "array": (_ArrayStored, _ArrayRemoved, _ARRAY_CLEARED),
+}
+
+
+def wire_events(
+    events: Iterable[KVEvent],
+    *,
+    medium: str | None = "GPU",
+    lora_name: str | None = None,
+    hash_encoding: HashEncoding = "int",
+    token_ids: bool = True,
+) -> tuple[WireEvent, ...]:
+    """The core's events as vLLM's, in order; consecutive stores that chain merge into one
+    ``BlockStored``, as vLLM sends one per request and step. Parents always come before their
+    children: a store whose block is the parent of the run before it (an engine publishing a
+    request's blocks deepest first, as the scheduler does) is put in front of that run.
+    ``token_ids=False`` sends every ``BlockStored`` without its tokens."""
+    return tuple(_wire_events(events, "public", medium, lora_name, hash_encoding, token_ids))
+
+
+def _wire_events(
+    events: Iterable[KVEvent],
+    family: str,
+    medium: str | None,
+    lora_name: str | None,
+    hash_encoding: HashEncoding,
+    with_token_ids: bool,
+) -> list[Any]:
+    """`wire_events` as the structs of ``family`` (the publisher encodes them directly)."""
+    if hash_encoding not in ("int", "bytes"):
+        raise UsageError(f"hash_encoding must be 'int' or 'bytes', got {hash_encoding!r}")
+    stored_cls, removed_cls, cleared = _FAMILIES[family]
+    fold = _folder(hash_encoding)
+    out: list[Any] = []
+    # the open run of chained stores: its core hashes and tokens in chain order (as deques of
+    # per-event pieces, so a parent can be put in front), the parent of its first block, the
+    # block size and whether it carries tokens
+    pieces: deque[tuple[tuple[BlockHash, ...], tuple[int, ...]]] = deque()
+    parent: BlockHash | None = None
+    block_size = 0
+    with_tokens = False
+
+    def close_run() -> None:
+        if not pieces:
+            return
+        hashes = [fold(h) for bh, _ in pieces for h in bh]
+        tokens = [t for _, toks in pieces for t in toks] if with_token_ids else []
+        out.append(
+            stored_cls(
+                block_hashes=hashes,
+                parent_block_hash=None if parent is None else fold(parent),
+                token_ids=tokens,
+                block_size=block_size,
+                lora_id=None,
+                medium=medium,
+                lora_name=lora_name,
+            )
+        )
+        pieces.clear()
+
+    for ev in events:
+        match ev:
+            case BlockStored():
+                bh = ev.block_hashes
+                same = bool(pieces) and ev.block_size == block_size
+                same = same and bool(ev.token_ids) == with_tokens and bool(bh)
+                if same and ev.parent_block_hash == pieces[-1][0][-1]:
+                    pieces.append((bh, ev.token_ids))  # the run's child
+                elif same and parent is not None and bh[-1] == parent:
+                    pieces.appendleft((bh, ev.token_ids))  # the run's parent
+                    parent = ev.parent_block_hash
+                else:
+                    close_run()
+                    if bh:
+                        pieces.append((bh, ev.token_ids))
+                    parent = ev.parent_block_hash
+                    block_size = ev.block_size
+                    with_tokens = bool(ev.token_ids)
+            case BlockRemoved():
+                close_run()
+                out.append(
+                    removed_cls(block_hashes=list(map(fold, ev.block_hashes)), medium=medium)
+                )
+            case AllBlocksCleared():
+                close_run()
+                out.append(cleared)
+            case _:
+                assert_never(ev)
+    close_run()
+    return out
+
+
+def _encode(ts: float, events: Sequence[Any], data_parallel_rank: int | None) -> bytes:
+    """One batch of `_wire_events` structs (either family) as msgpack."""
+    return _encoder.encode((ts, events, data_parallel_rank))
