@@ -120,6 +120,14 @@ def test_a_child_of_an_evicted_parent_is_keyed_through_the_ghosts() -> None:
             block_hashes=(1,), parent_block_hash=None, token_ids=(0,) * 8, block_size=8
         ),
         _stored([1], None, []),  # no tokens
+        # vLLM hashed a cache salt into the first block: its key is not the tokens' alone
+        WireBlockStored(
+            block_hashes=(1,),
+            parent_block_hash=None,
+            token_ids=(0,) * BS,
+            block_size=BS,
+            extra_keys=(("tenant-salt",),),
+        ),
     ],
 )
 def test_blocks_that_cannot_be_rebuilt_are_counted_not_guessed(event: WireBlockStored) -> None:
