@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from prefixflight.core import AllBlocksCleared, BlockStored
+from prefixflight.core.cache import AllBlocksCleared, BlockStored
 from prefixflight.serve.kv_events import (
     KVEventPublisher,
     KVEventSubscriber,

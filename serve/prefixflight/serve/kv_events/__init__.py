@@ -1,6 +1,6 @@
 """KV events on vLLM's wire: publish a `PrefixCache`'s events over ZMQ, follow publishers.
 
-`KVEventPublisher` is a `prefixflight.core.EventSink`: give it to ``PrefixCache(event_sink=)``
+`KVEventPublisher` is a `prefixflight.core.cache.EventSink`: give it to ``PrefixCache(event_sink=)``
 (or to the engine) and it publishes the cache's ``BlockStored`` / ``BlockRemoved`` /
 ``AllBlocksCleared`` as vLLM's ``ZmqEventPublisher`` does (vLLM 0.32,
 ``vllm/distributed/kv_events.py``), in the encoding vLLM 0.32 decodes by default.

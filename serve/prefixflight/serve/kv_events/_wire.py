@@ -30,15 +30,9 @@ from typing import Annotated, Any, Final, Literal, TypeAlias, final
 
 import msgspec
 
-from prefixflight.core import (
-    AllBlocksCleared,
-    BlockHash,
-    BlockRemoved,
-    BlockStored,
-    KVEvent,
-    UsageError,
-)
+from prefixflight.core import BlockHash, UsageError
 from prefixflight.core._validate import assert_never
+from prefixflight.core.cache import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 __all__ = [
     "END_SEQ",
