@@ -1,5 +1,6 @@
 """``prefixflight serve``'s KV-event flags: vLLM's bind-or-connect rule, said out loud at start,
-loopback by default, the encoding and token-id switches, and their mistakes (one usage line).
+loopback by default, the encoding and token-id switches (their mistakes are with the other flag
+mistakes in test_serve_cmd.py).
 
 The publisher is built by the command's own `kv_publisher` (no model loads); subscribers are
 plain ZMQ sockets on 127.0.0.1."""
@@ -13,33 +14,11 @@ from types import SimpleNamespace
 import msgspec
 import pytest
 
-from prefixflight.cli import main
 from prefixflight.cli._main import build_parser
 from prefixflight.cli._serve_cmd import kv_events_banner, kv_publisher
 from prefixflight.core import LRU, BlockHasher, PrefixCache
 
 zmq = pytest.importorskip("zmq")
-
-
-@pytest.mark.parametrize(
-    ("argv", "message"),
-    [
-        (["--kv-events-token-ids", "off"], "need --kv-events"),
-        (["--kv-events-encoding", "array"], "need --kv-events"),
-        (["--kv-events-replay"], "need --kv-events"),
-        (["--kv-events", "--kv-events-encoding", "json"], "invalid choice: 'json'"),
-        (["--kv-events", "--kv-events-token-ids", "no"], "invalid choice: 'no'"),
-    ],
-)
-def test_kv_event_flag_mistakes_are_usage_errors(
-    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
-) -> None:
-    with pytest.raises(SystemExit) as exit_info:
-        main(["serve", *argv])
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    (line,) = [ln for ln in err.splitlines() if "error:" in ln]
-    assert line.startswith("prefixflight serve: error:") and message in line
 
 
 def _publish_one(pub: object) -> None:

@@ -26,7 +26,7 @@ import re
 import sys
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from typing import Annotated, Any, Final, Literal, TypeAlias, final
+from typing import Annotated, Any, Final, Literal, TypeAlias, cast, final
 
 import msgspec
 
@@ -167,70 +167,52 @@ class WireBatch(msgspec.Struct, frozen=True, array_like=True, gc=False):
         _tuples(self, "events")
 
 
-# vLLM 0.32's structs exactly (the map form): lora_id, medium and lora_name have no default,
-# so vLLM's decoder requires them and omit_defaults never drops them.
-class _MapStored(msgspec.Struct, omit_defaults=True, gc=False, tag="BlockStored"):
-    block_hashes: list[_Hash]
-    parent_block_hash: _Hash | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: _ExtraKeys = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    session_id: str | None = None
+def _variant(
+    cls: type[msgspec.Struct], *, array_like: bool, required: int, fields: int | None = None
+) -> Any:
+    """``cls``'s schema with other struct options: its first ``fields`` fields (all by
+    default), the first ``required`` of them without a default."""
+    declared = msgspec.structs.fields(cls)[:fields]
+    return msgspec.defstruct(
+        cls.__struct_config__.tag,  # type: ignore[arg-type]
+        [
+            (f.name, f.type) if i < required else (f.name, f.type, f.default)
+            for i, f in enumerate(declared)
+        ],
+        array_like=array_like,
+        omit_defaults=not array_like,
+        gc=False,
+        tag=cls.__struct_config__.tag,
+        module=__name__,
+    )
 
 
-class _MapRemoved(msgspec.Struct, omit_defaults=True, gc=False, tag="BlockRemoved"):
-    block_hashes: list[_Hash]
-    medium: str | None
-    group_idx: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
+# The map form exactly as vLLM 0.32 declares it, to encode with: lora_id, medium and lora_name
+# have no default there, so vLLM's decoder requires them and omit_defaults never drops them.
+_MapStored: Final = _variant(WireBlockStored, array_like=False, required=7)
+_MapRemoved: Final = _variant(WireBlockRemoved, array_like=False, required=2)
+_MapCleared: Final = _variant(WireAllBlocksCleared, array_like=False, required=0)
+# The positional form as the last release before vLLM PR #42892 declared it (up to
+# kv_cache_spec_sliding_window), every field after the required ones optional (older releases
+# sent fewer).
+_ArrayStored: Final = _variant(WireBlockStored, array_like=True, required=4, fields=11)
+_ArrayRemoved: Final = _variant(WireBlockRemoved, array_like=True, required=1, fields=3)
+_ArrayCleared: Final = _variant(WireAllBlocksCleared, array_like=True, required=0)
 
 
-class _MapCleared(msgspec.Struct, omit_defaults=True, gc=False, tag="AllBlocksCleared"):
-    pass
-
-
-# The positional form, as the last release before vLLM PR #42892 declared it, with every
-# field after the required ones optional (older releases sent fewer).
-class _ArrayStored(msgspec.Struct, array_like=True, gc=False, tag="BlockStored"):
-    block_hashes: tuple[_Hash, ...]
-    parent_block_hash: _Hash | None
-    token_ids: tuple[int, ...]
-    block_size: _BlockSize
-    lora_id: int | None = None
-    medium: str | None = None
-    lora_name: str | None = None
-    extra_keys: _ExtraKeys = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-
-
-class _ArrayRemoved(msgspec.Struct, array_like=True, gc=False, tag="BlockRemoved"):
-    block_hashes: tuple[_Hash, ...]
-    medium: str | None = None
-    group_idx: int | None = None
-
-
-class _ArrayCleared(msgspec.Struct, array_like=True, gc=False, tag="AllBlocksCleared"):
-    pass
-
-
-_ArrayEvent: TypeAlias = _ArrayStored | _ArrayRemoved | _ArrayCleared
-
-
-class _ArrayBatch(msgspec.Struct, array_like=True, gc=False):
-    ts: _Finite
-    events: tuple[_ArrayEvent, ...]
-    data_parallel_rank: int | None = None
+_ArrayEvent: TypeAlias = Any  # an instance of one of the three above
+_ARRAY_EVENT: Final = _ArrayStored | _ArrayRemoved | _ArrayCleared  # the type, to decode into
+_ArrayBatch: Final = msgspec.defstruct(
+    "_ArrayBatch",
+    [
+        ("ts", _Finite),
+        ("events", cast(Any, tuple)[_ARRAY_EVENT, ...]),
+        ("data_parallel_rank", int | None, None),
+    ],
+    array_like=True,
+    gc=False,
+    module=__name__,
+)
 
 
 _TAGS: Final = {"BlockStored", "BlockRemoved", "AllBlocksCleared"}
@@ -323,7 +305,7 @@ _MAP_CLEARED: Final = _MapCleared()
 _ARRAY_CLEARED: Final = _ArrayCleared()
 
 
-def _as_map(e: WireEvent) -> msgspec.Struct:
+def _as_map(e: WireEvent) -> Any:
     if type(e) is WireBlockStored:
         return _MapStored(*msgspec.structs.astuple(e))
     if type(e) is WireBlockRemoved:
@@ -333,7 +315,7 @@ def _as_map(e: WireEvent) -> msgspec.Struct:
     raise UsageError(f"expected a WireEvent, got {e!r}")
 
 
-def _as_array(e: WireEvent) -> msgspec.Struct:
+def _as_array(e: WireEvent) -> Any:
     if type(e) is WireBlockStored:
         return _ArrayStored(*msgspec.structs.astuple(e)[:11])
     if type(e) is WireBlockRemoved:
@@ -380,7 +362,7 @@ def decode_batch(payload: bytes) -> WireBatch:
     except msgspec.DecodeError as exc:
         raise KVEventFormatError(f"payload is not msgpack: {exc}") from None
     try:
-        arr = _decode_array(payload)
+        arr: Any = _decode_array(payload)
     except msgspec.ValidationError:
         return _decode_slowly(payload)  # mixed forms, a map batch, or an error to name
     return WireBatch(
@@ -422,7 +404,7 @@ def _event(raw: object, where: str) -> WireEvent:
     if isinstance(raw, dict):
         event: WireEvent = _convert(raw, WireEvent, where)
         return event
-    return _public(_convert(raw, _ArrayEvent, where, _ARRAY_FIELDS[tag]))
+    return _public(_convert(raw, _ARRAY_EVENT, where, _ARRAY_FIELDS[tag]))
 
 
 def _convert(value: object, kind: Any, where: str, fields: tuple[str, ...] = ()) -> Any:
