@@ -216,13 +216,12 @@ _ArrayBatch: Final = msgspec.defstruct(
 
 
 _TAGS: Final = {"BlockStored", "BlockRemoved", "AllBlocksCleared"}
-_ARRAY_FIELDS: Final = {c.__struct_config__.tag: c.__struct_fields__ for c in
-                        (_ArrayStored, _ArrayRemoved, _ArrayCleared)}  # fmt: skip
-_PUBLIC: Final[dict[type, type[WireEvent]]] = {
+_PUBLIC: Final[dict[Any, type[WireEvent]]] = {
     _ArrayStored: WireBlockStored,
     _ArrayRemoved: WireBlockRemoved,
     _ArrayCleared: WireAllBlocksCleared,
 }
+_ARRAY_FIELDS: Final = {c.__struct_config__.tag: c.__struct_fields__ for c in _PUBLIC}
 
 
 # -- hashes and topics ------------------------------------------------------------------------
