@@ -255,7 +255,7 @@ def launch(
     args: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
     log_path: str | os.PathLike[str] | None = None,
-    startup_timeout_s: float = 300.0,
+    startup_timeout_s: float = 600.0,
 ) -> VLLMServer:
     """Start vLLM's OpenAI server on 127.0.0.1 (a free port) and wait for ``/health``.
 

@@ -29,10 +29,17 @@ def _publish_one(pub: object) -> None:
     )
 
 
-def test_bare_flags_bind_free_loopback_ports_and_print_them(
-    capsys: pytest.CaptureFixture[str],
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--kv-events", "--kv-events-replay"],  # alone: tcp://127.0.0.1:*
+        ["--kv-events", "tcp://127.0.0.1:0", "--kv-events-replay", "tcp://127.0.0.1:0"],
+    ],
+)
+def test_free_loopback_ports_are_bound_and_printed(
+    flags: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    args = build_parser().parse_args(["serve", "--kv-events", "--kv-events-replay"])
+    args = build_parser().parse_args(["serve", *flags])
     pub = kv_publisher(args, "m")
     try:
         err = capsys.readouterr().err.splitlines()
