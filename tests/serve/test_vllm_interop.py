@@ -4,8 +4,10 @@ vLLM lives in its own venv (``$PREFIXFLIGHT_VLLM_VENV``, default ``<repo>/.venv-
 by benchmarks/vllm/setup.sh when missing; these tests fail, never skip, when it cannot be
 built). Its classes run in a helper process in that venv (tests/serve/_vllm_side.py), so:
 
-- vLLM's own ``msgspec.msgpack.Decoder(type=KVEventBatch)`` decodes the frames `prefixflight
-  serve` publishes, and refuses the positional option (why ``map`` is the default);
+- vLLM's own ``msgspec.msgpack.Decoder(type=KVEventBatch)`` decodes the frames
+  ``prefixflight serve --model tiny --kv-events --kv-events-replay`` publishes (the command
+  itself, in a subprocess; its frames fetched from the replay endpoint it prints), and refuses
+  the positional option (why ``map`` is the default);
 - frames vLLM's structs encode, with every field vLLM declares, decode here and re-encode
   byte for byte;
 - vLLM's own ``ZmqEventPublisher``, given ``tcp://127.0.0.1:PORT`` (which vLLM connects to),
@@ -22,10 +24,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import queue
 import select
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -158,45 +163,64 @@ def _replayed_frames(replay_endpoint: str) -> list[bytes]:
         dealer.close(linger=0)
 
 
+def _serve(*flags: str) -> tuple[subprocess.Popen[str], list[str]]:
+    """``prefixflight serve`` in a subprocess; its stderr lines up to the one with its URL."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT / d) for d in ("core", "specs", "backends", "serve")]
+        + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prefixflight.cli", "serve", "--port", "0", *flags],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
+    assert proc.stderr is not None
+    stderr = proc.stderr
+    got: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: list(map(got.put, stderr)), daemon=True).start()
+    lines: list[str] = []
+    deadline = time.monotonic() + 120
+    while not any(" on http://" in line for line in lines):
+        try:
+            lines.append(got.get(timeout=max(0.1, deadline - time.monotonic())).rstrip("\n"))
+        except queue.Empty:
+            proc.kill()
+            proc.wait(30)
+            raise AssertionError(f"prefixflight serve did not start: {lines}") from None
+    return proc, lines
+
+
 @pytest.mark.torch
-def test_vllms_decoder_reads_what_prefixflight_serve_publishes(vllm_side: Ask, tiny: Any) -> None:
+def test_vllms_decoder_reads_what_prefixflight_serve_publishes(vllm_side: Ask) -> None:
     pytest.importorskip("torch")
     pytest.importorskip("fastapi")
-    from prefixflight.backends.torch import AsyncEngine, EngineConfig
-    from prefixflight.cli._main import build_parser
-    from prefixflight.cli._serve_cmd import kv_publisher
-    from prefixflight.serve.http import ServerConfig, build_app
-
-    from .conftest import MODEL_NAME, PAGE, CharCodec, ServerThread
-
-    args = build_parser().parse_args(["serve", "--kv-events", "--kv-events-replay"])
-    publisher = kv_publisher(args, MODEL_NAME)  # exactly as `prefixflight serve` builds it
-    engine = AsyncEngine.from_model(
-        tiny,
-        EngineConfig(page_size=PAGE, num_pages=16, max_batch_tokens=64, max_running=4),
-        eos_token_ids=[CharCodec.EOS],
-        event_sink=publisher,
-        device="cpu",
-    )
-    server = ServerThread(build_app(engine, CharCodec(), ServerConfig(model_name=MODEL_NAME)))
+    flags = ["--model", "tiny", "--threads", "1", "--num-pages", "16", "--block-size", "4"]
+    proc, lines = _serve(*flags, "--kv-events", "--kv-events-replay")
     try:
-        server.start()
+        said = {ln.split(" bound at ")[0]: ln.split(" bound at ")[1] for ln in lines
+                if " bound at " in ln}  # fmt: skip
+        replay = said["prefixflight serve: KV-event replay"]
+        (url,) = [ln.split(" on ")[1].split()[0] for ln in lines if " on http://" in ln]
         for prompt in ("a system prompt they share, then a question", "a system prompt x" * 3):
             r = httpx.post(
-                server.base_url + "/v1/completions",
-                json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": 8},
+                url + "/v1/completions",
+                json={"model": "tiny-llama", "prompt": prompt, "max_tokens": 8},
                 timeout=60,
             )
             assert r.status_code == 200, r.text
-        assert publisher.drain(10.0)
-        payloads = _replayed_frames(publisher.replay_endpoint)
+        payloads = _replayed_frames(replay)
     finally:
-        server.stop()
-        publisher.close()
-    assert len(payloads) == publisher.next_seq > 0
+        proc.send_signal(signal.SIGINT)
+        proc.wait(60)
+        assert proc.stderr is not None
+        proc.stderr.close()
+    assert payloads, lines
     ours = [decode_batch(p) for p in payloads]
     kinds = {type(e).__name__ for b in ours for e in b.events}
-    assert {"WireBlockStored", "WireBlockRemoved"} <= kinds  # 16 pages: the cache evicted
+    assert {"WireBlockStored", "WireBlockRemoved"} <= kinds  # 16 pages of 4: it evicted
     (theirs,) = vllm_side({"op": "decode", "payloads": [p.hex() for p in payloads]}).values()
     assert [_plain(t["ok"]) for t in theirs] == [_plain(_json(b)) for b in ours]
     # the positional option is for older consumers: vLLM 0.32 refuses it, as it refused our
