@@ -16,15 +16,12 @@ from typing import Any, TypeAlias, cast, final
 import attrs
 
 from .._errors import TraceFormatError
+from .._validate import is_int, is_real
 
 __all__ = ["TraceReader", "TraceRecord", "parse_trace_line"]
 
 
 _INT = frozenset({int})
-
-
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 @final
@@ -95,7 +92,7 @@ def _parse_fields(text: str | bytes, source: str, line: int) -> _Fields:
     if "hash_ids" not in obj:
         raise TraceFormatError(source, line, "hash_ids", "missing")
     n = obj["input_length"]
-    if not _is_int(n):
+    if not is_int(n):
         raise TraceFormatError(source, line, "input_length", f"expected an int, got {n!r}")
     if n < 0:
         raise TraceFormatError(source, line, "input_length", f"must be >= 0, got {n}")
@@ -110,13 +107,13 @@ def _parse_fields(text: str | bytes, source: str, line: int) -> _Fields:
         )
     ts = obj.get("timestamp")
     if ts is not None:
-        if isinstance(ts, bool) or not isinstance(ts, (int, float)):
+        if not is_real(ts):
             raise TraceFormatError(source, line, "timestamp", f"expected a number, got {ts!r}")
         if not math.isfinite(ts):
             raise TraceFormatError(source, line, "timestamp", f"must be finite, got {ts!r}")
     out = obj.get("output_length")
     if out is not None:
-        if not _is_int(out):
+        if not is_int(out):
             raise TraceFormatError(source, line, "output_length", f"expected an int, got {out!r}")
         if out < 0:
             raise TraceFormatError(source, line, "output_length", f"must be >= 0, got {out}")
