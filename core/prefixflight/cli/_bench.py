@@ -348,8 +348,8 @@ def format_tables(report: dict[str, Any]) -> str:
     lines = [
         f"model {report['model']} on {report['device']} ({report['dtype']}, "
         f"{report['threads']} threads), page size {report['page_size']}, "
-        f"{report['output_tokens']} output tokens, median of {report['repetitions']} "
-        f"repetition(s)",
+        f"{report['output_tokens']} output tokens, "
+        + ("one run" if report["repetitions"] == 1 else f"median of {report['repetitions']} runs"),
     ]
     sections = iter(range(1, 5))  # number the sections present without gaps (demo runs two)
     warm = report.get("warm_prefix")
