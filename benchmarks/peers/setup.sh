@@ -22,8 +22,9 @@ PIP=("$VENV/bin/python" -m pip)
 #    Never let pip resolve torch itself: an unpinned resolve pulls the CUDA wheels (+4 GB).
 "${PIP[@]}" install -q "torch==2.13.0"
 
-# 2. prefixflight itself (ours is measured in the same process as the peers).
-"${PIP[@]}" install -q -e "$ROOT" numpy
+# 2. prefixflight itself (ours is measured in the same process as the peers), with the specs
+#    extra (Hypothesis) that `prefixflight conform` runs its machines on.
+"${PIP[@]}" install -q -e "$ROOT[cli,specs]" numpy
 
 # 3. vLLM: the wheel without its dependency pins, then the light modules its
 #    KV cache manager imports (found by iterating on ModuleNotFoundError).
