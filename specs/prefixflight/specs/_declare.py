@@ -233,29 +233,32 @@ _MEANING: Mapping[tuple[str, str], str] = {
     ("duplicates", "kept"): "a block computed twice stays cached twice (two pages)",
     ("orphans", "removed"): "evicting a block removes its cached descendants too",
     ("invalidated", "in-place"): "an invalidated page keeps its place in the eviction order",
-    ("evictions", "reported"): "KV events are checked against the cache",
-    ("evictions", "observed"): "evictions are not reported; resident sets are compared",
+    ("evictions", "observed"): "evictions are not returned; resident sets are compared",
     ("sizing", "floor"): "the small queue holds floor(capacity * small_ratio) blocks",
     ("small_queue", "when-full"): "evicts only when the whole cache is full (S3FIFO.c's flow)",
 }
 
 
 def declared_differences(semantics: EngineSemantics | PolicySemantics) -> list[dict[str, Any]]:
-    """Every field that differs from the default, as ``{"name", "value", "default",
-    "meaning"}`` dicts (for reports and ``prefixflight conform --json``)."""
+    """How the declaration departs from prefixflight's semantics, as ``{"name", "value",
+    "default", "meaning"}`` dicts (for reports and ``prefixflight conform --json``).
+
+    Capabilities that only add checks (an engine's optional ``ops``, its KV events) are not
+    differences; a policy's missing ``ops`` and unreported evictions are.
+    """
     default = type(semantics)()
     out: list[dict[str, Any]] = []
     for field in attrs.fields(type(semantics)):
         value, base = getattr(semantics, field.name), getattr(default, field.name)
         if value == base:
             continue
+        if isinstance(semantics, EngineSemantics) and field.name in ("ops", "evictions"):
+            continue
         if isinstance(value, frozenset):
             missing = sorted(set(base) - set(value))
-            extra = sorted(set(value) - set(base))
-            parts = ([f"unsupported: {', '.join(missing)}"] if missing else []) + (
-                [f"supported: {', '.join(extra)}"] if extra else []
-            )
-            meaning = "; ".join(parts)
+            if not missing:
+                continue
+            meaning = f"unsupported: {', '.join(missing)}"
             value, base = sorted(value), sorted(base)
         elif field.name == "promote_at":
             meaning = f"a small-queue block is promoted at frequency >= {value}"
