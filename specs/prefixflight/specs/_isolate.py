@@ -96,6 +96,7 @@ class _Worker:
         except (EOFError, BrokenPipeError, pickle.UnpicklingError):
             self.alive = False
             code = proc.wait()
+            self._close_pipes()
             self.stderr.seek(0)
             text = self.stderr.read()[-2000:].decode(errors="replace")
             self.stderr.close()
@@ -104,11 +105,18 @@ class _Worker:
             raise value
         return value
 
+    def _close_pipes(self) -> None:
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            if pipe is not None:
+                try:
+                    pipe.close()
+                except BrokenPipeError:  # the worker died with unread input
+                    pass
+
     def close(self) -> None:
         if self.alive:
             self.alive = False
-            assert self.proc.stdin is not None
-            self.proc.stdin.close()
+            self._close_pipes()  # the worker sees EOF and returns
             self.proc.wait()
             self.stderr.close()
 

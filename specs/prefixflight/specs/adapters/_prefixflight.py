@@ -96,9 +96,12 @@ class PagePoolAdapter:
         held = {rid: frozenset(req.pages) for rid, req in self._reqs.items()}
         used = set(cached).union(*held.values())
         free = frozenset(range(self._pages)) - used
-        assert len(free) == self._pool.free_pages, (
-            f"the pool counts {self._pool.free_pages} free pages, {len(free)} are unused"
+        counted = self._pool.free_pages
+        assert len(free) <= counted, (
+            f"{len(free) - counted} pages leaked: neither cached, held nor in the pool's free "
+            f"list (it has {counted}, {len(free)} pages are unused)"
         )
+        assert len(free) == counted, f"the pool's free list has {counted} pages, {len(free)} exist"
         return PoolView(free, cached, held)
 
     def events(self) -> list[KVChange]:
