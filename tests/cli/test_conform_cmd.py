@@ -53,10 +53,8 @@ def test_prefixflight_passes_and_the_json_says_what_ran(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "report.json"
-    status = main(
-        ["conform", "prefixflight", "--examples", "20", "--steps", "20", "--seed", "3"]
-        + ["--json", str(out)]
-    )
+    args = ["prefixflight", "--examples", "20", "--steps", "20", "--seed", "3"]
+    status = main(["conform", *args, "--json", str(out)])
     assert status == 0
     text = capsys.readouterr().out
     assert "prefixflight engine: PrefixEngineConformance over PagePoolAdapter" in text

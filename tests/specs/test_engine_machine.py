@@ -71,7 +71,7 @@ class _DropsLastBlock(PagePool):  # type: ignore[misc]
     ("pool_cls", "says"),
     [
         (_UnderReporting, "admit("),
-        (_LeakyRelease, "free pages"),
+        (_LeakyRelease, "leaked"),
         (_DropsLastBlock, "cached blocks differ"),
     ],
     ids=["lookup-under-reports", "release-leaks", "publish-drops-a-page"],
@@ -143,9 +143,14 @@ class _FixedCache:
     def pool(self) -> Any:
         from prefixflight.specs import PoolView
 
-        cached = {self.cache.page(h): self.keys[h] for h in self.cache.policy.resident()}
+        def page(h: Any) -> int:
+            got = self.cache.page(h)
+            assert got is not None, "a cached block without a page"
+            return got
+
+        cached = {page(h): self.keys[h] for h in self.cache.policy.resident()}
         held = {
-            rid: frozenset([*(self.cache.page(h) for h in hashes[:k]), *own])
+            rid: frozenset([*map(page, hashes[:k]), *own])
             for rid, (hashes, k, own) in self.runs.items()
         }
         return PoolView(frozenset(), cached, held)

@@ -20,6 +20,7 @@ from typing import Any
 
 import attrs
 from hypothesis import HealthCheck, Phase, seed, settings
+from hypothesis.errors import Flaky
 from hypothesis.stateful import run_state_machine_as_test
 
 from prefixflight.core import LRU, S3FIFO, UsageError
@@ -45,6 +46,7 @@ class Check:
     name: str
     base: str
     build: Callable[[type[Any] | None], type[Any]]
+    setup: str | None = None  # "module:function" to call before importing ``base``
 
 
 def _engine(adapter: str, keyword: str = "impl") -> Callable[[type[Any] | None], type[Any]]:
@@ -94,6 +96,7 @@ ENGINES: dict[str, tuple[Check, ...]] = {
             "engine",
             "sglang.srt.mem_cache.radix_cache:RadixCache",
             _engine(f"{_A}:SGLangAdapter"),
+            setup=f"{_A}:stub_torchvision",
         ),
     ),
     "libcachesim": (
@@ -206,9 +209,23 @@ def _run(machine: type[Any], examples: int, steps: int, seed_: int) -> tuple[str
                 suppress_health_check=list(HealthCheck),
             ),
         )
-    except AssertionError as exc:
-        notes = [n for n in getattr(exc, "__notes__", ()) if not n.startswith(_NOISE)]
-        return str(exc), [n for n in notes if not n.startswith("state = ")]
+    except ImportError:  # the engine is not installed here: not a finding
+        raise
+    except Exception as exc:  # an undeclared difference, or anything else the run raised
+        first: BaseException = exc
+        flaky = isinstance(exc, Flaky)
+        while getattr(first, "exceptions", None):  # an exception group: show the first
+            first = first.exceptions[0]  # type: ignore[attr-defined]
+        message = (
+            str(first) if type(first) is AssertionError else f"{type(first).__name__}: {first}"
+        )
+        if flaky:
+            message = (
+                "the failure did not replay: the engine (or its adapter) depends on something "
+                f"outside its inputs (clock, hash or memory order): {message}"
+            )
+        notes = [n for n in getattr(first, "__notes__", ()) if not n.startswith(_NOISE)]
+        return message, [n for n in notes if not n.startswith("state = ")]
     return None, []
 
 
@@ -293,6 +310,8 @@ def _choose(engine: str, impl: type[Any] | None) -> list[Check]:
     chosen = []
     for c in checks:
         try:
+            if c.setup:
+                load_class(c.setup)()
             base = load_class(c.base)
         except UsageError as exc:
             raise UsageError(_not_installed(engine, ImportError(str(exc)))) from None

@@ -302,21 +302,23 @@ class ReferencePrefixEngine:
             yield node
             stack.extend(node.children.values())
 
-    def _split(self, node: _Node, at: int, stamp: int) -> _Node:
+    def _split(self, node: _Node, at: int) -> _Node:
         """Split ``node`` after ``at`` blocks: a new node takes the head, ``node`` keeps the
-        tail (its identity, so a request that locked it still holds it)."""
+        tail (its identity, so a request that locked it still holds it). A new node is
+        stamped when it is made, after the nodes the same call visited (SGLang's
+        ``TreeNode()`` reads the clock after the call's access time)."""
         parent = node.parent
         assert parent is not None
-        head = _Node(node.blocks[:at], parent, stamp=stamp, lock=node.lock)
+        head = _Node(node.blocks[:at], parent, stamp=self._tick(), lock=node.lock)
         parent.children[head.blocks[0]] = head
         node.blocks = node.blocks[at:]
         node.parent = head
         head.children = {node.blocks[0]: node}
         return head
 
-    def _walk(self, keys: list[Key], stamp: int) -> tuple[int, _Node, int]:
+    def _walk(self, keys: list[Key], stamp: int) -> tuple[int, _Node]:
         """Follow ``keys`` down the tree, stamping every node visited and splitting the last
-        one if ``keys`` end or diverge inside it: ``(blocks matched, last node, offset)``."""
+        one if ``keys`` end or diverge inside it: ``(blocks matched, last node)``."""
         node, i = self.root, 0
         while i < len(keys) and keys[i] in node.children:
             child = node.children[keys[i]]
@@ -326,9 +328,9 @@ class ReferencePrefixEngine:
                 m += 1
             i += m
             if m < len(child.blocks):
-                return i, self._split(child, m, stamp), i
+                return i, self._split(child, m)
             node = child
-        return i, node, i
+        return i, node
 
     def _lock(self, node: _Node | None, delta: int) -> None:
         while node is not None and node is not self.root:
@@ -340,7 +342,7 @@ class ReferencePrefixEngine:
 
     def _admit_node(self, rid: str, keys: list[Key], n: int, limit: int, total: int) -> int | None:
         stamp = self._tick()
-        k, node, _ = self._walk(keys[:limit], stamp) if limit else (0, self.root, 0)
+        k, node = self._walk(keys[:limit], stamp) if limit else (0, self.root)
         self._lock(node, +1)
         need = total - k
         if need > self.free + self._node_evictable():
@@ -355,9 +357,9 @@ class ReferencePrefixEngine:
     def _finish_node(self, run: _Run) -> None:
         keys = run.keys
         stamp = self._tick()
-        have, node, _ = self._walk(keys, stamp) if keys else (0, self.root, 0)
+        have, node = self._walk(keys, stamp) if keys else (0, self.root)
         if have < len(keys):
-            leaf = _Node(keys[have:], node, stamp=stamp)
+            leaf = _Node(keys[have:], node, stamp=self._tick())
             node.children[leaf.blocks[0]] = leaf
         # the pages of blocks another request inserted first, and of the partial tail, are
         # freed; the pages of new blocks join the tree
@@ -366,15 +368,16 @@ class ReferencePrefixEngine:
         self._lock(run.node, -1)
 
     def _evict_nodes(self, pages: int) -> None:
-        heap = [(n.stamp, id(n), n) for n in self._nodes() if n.lock == 0 and not n.children]
+        heap = [(n.stamp, n) for n in self._nodes() if n.lock == 0 and not n.children]
+        assert len({s for s, _ in heap}) == len(heap), "two leaves with one stamp"
         heapq.heapify(heap)
         freed = 0
         while freed < pages and heap:
-            _, _, leaf = heapq.heappop(heap)
+            _, leaf = heapq.heappop(heap)
             parent = leaf.parent
             assert parent is not None
             del parent.children[leaf.blocks[0]]
             freed += len(leaf.blocks)
             self.free += len(leaf.blocks)
             if parent is not self.root and not parent.children and parent.lock == 0:
-                heapq.heappush(heap, (parent.stamp, id(parent), parent))
+                heapq.heappush(heap, (parent.stamp, parent))

@@ -17,6 +17,7 @@ library prints cannot corrupt the pipe; the last lines of it come back with a cr
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import itertools
 import pickle
@@ -25,6 +26,8 @@ import sys
 import tempfile
 from collections.abc import Callable
 from typing import IO, Any
+
+from prefixflight.core import UsageError
 
 from ._adapter import name_of, semantics_of
 from ._declare import EngineCrashed
@@ -45,13 +48,18 @@ def serve(inp: IO[bytes], out: IO[bytes]) -> None:
     """The worker's loop: build objects, call their methods, send back results or errors."""
     objects: dict[int, Any] = {}
     while True:
+        reply: tuple[bool, Any]
         try:
             op, oid, target, args, kwargs = pickle.load(inp)
         except EOFError:
             return
-        reply: tuple[bool, Any]
+        except Exception as exc:  # e.g. a class the worker cannot import: say so, go on
+            op = "none"
+            reply = (False, UsageError(f"the worker cannot load the call: {exc}"))
         try:
-            if op == "new":
+            if op == "none":
+                pass
+            elif op == "new":
                 obj = target(*args, **kwargs)
                 objects[oid] = obj
                 names = [n for n in dir(obj) if not n.startswith("_")]
@@ -108,10 +116,8 @@ class _Worker:
     def _close_pipes(self) -> None:
         for pipe in (self.proc.stdin, self.proc.stdout):
             if pipe is not None:
-                try:
+                with contextlib.suppress(BrokenPipeError):  # died with unread input
                     pipe.close()
-                except BrokenPipeError:  # the worker died with unread input
-                    pass
 
     def close(self) -> None:
         if self.alive:
@@ -175,6 +181,15 @@ class _Proxy:
 
 def isolated(factory: Callable[..., Any]) -> Callable[..., Any]:
     """``factory``, but each object it makes lives in a worker process (see the module)."""
+
+    inner: Any = factory
+    while hasattr(inner, "func"):  # functools.partial
+        inner = inner.func
+    if getattr(inner, "__module__", None) == "__main__":
+        raise UsageError(
+            f"isolated({name_of(factory)}): the worker imports the factory by module and "
+            "name; define it in an importable module, not in __main__"
+        )
 
     def make(*args: Any, **kwargs: Any) -> Any:
         return _Proxy(factory, args, kwargs)
