@@ -25,7 +25,7 @@ from prefixflight.specs import (
 )
 from prefixflight.specs.adapters import PagePoolAdapter
 
-TestPagePool = PrefixEngineConformance.for_adapter(PagePoolAdapter).TestCase
+TestPagePool = PrefixEngineConformance.TestCase  # as it stands: prefixflight's page pool
 
 _CATCH = settings(
     max_examples=300,

@@ -39,6 +39,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from ._adapter import EngineAdapter, PoolView, chunk_tokens, name_of, semantics_of
 from ._declare import EngineSemantics, Unsupported
 from ._engine_ref import Key, ReferencePrefixEngine
+from .adapters._prefixflight import PagePoolAdapter
 
 __all__ = ["PrefixEngineConformance"]
 
@@ -47,10 +48,14 @@ _MAX_RUNNING = 4
 
 
 class PrefixEngineConformance(RuleBasedStateMachine):
-    """An engine's prefix cache against `ReferencePrefixEngine`, under its declaration."""
+    """An engine's prefix cache against `ReferencePrefixEngine`, under its declaration.
 
-    factory: ClassVar[Callable[[int], EngineAdapter]]
-    semantics: ClassVar[EngineSemantics] = EngineSemantics()
+    As it stands it checks prefixflight's own engine path (`PagePoolAdapter`); `for_adapter`
+    makes the machine for another engine.
+    """
+
+    factory: ClassVar[Callable[[int], EngineAdapter]] = PagePoolAdapter
+    semantics: ClassVar[EngineSemantics] = PagePoolAdapter.semantics
     page_counts: ClassVar[st.SearchStrategy[int]] = st.integers(1, 12)
 
     @classmethod
