@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import run_state_machine_as_test
 
 import prefixflight.core.cache._policies as policies_module
-from prefixflight.core import LRU, S3FIFO, BlockHash, EvictionPolicy, UsageError, compiled
+from prefixflight.core import LRU, S3FIFO, BlockHash, EvictionPolicy, UsageError
+from prefixflight.core.cache import compiled
 from prefixflight.specs import (
     CacheConformance,
     LRUConformance,
