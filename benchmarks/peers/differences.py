@@ -5,7 +5,8 @@ run the engine's machine with that field set back to the default (with the field
 change with) and record the undeclared difference the machine then finds, shrunk by
 Hypothesis: the minimal example docs/conformance.md quotes. Run in the peers environment:
 
-    .venv-peers/bin/python benchmarks/peers/differences.py --json docs/results/conformance_differences.json
+    .venv-peers/bin/python benchmarks/peers/differences.py \
+        --json docs/results/conformance_differences.json
 
 A field set back that finds nothing is reported as such (the declaration is then not needed
 at that many examples).
@@ -81,23 +82,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write the findings here")
     args = ap.parse_args(argv)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for engine, (machine_for, declared, reverts) in CASES.items():
         for revert in reverts:
             sem = attrs.evolve(declared, **revert)
             t0 = time.perf_counter()
             message, example = _run(machine_for(sem), args.examples, args.steps, args.seed)
-            row = {
-                "engine": engine,
-                "set_back": {k: sorted(v) if isinstance(v, set) else v for k, v in revert.items()},
-                "declared": {k: getattr(declared, k) for k in revert if k != "ops"},
-                "found": message,
-                "example": [line for line in example if not line.startswith("Draw ")],
-                "seconds": round(time.perf_counter() - t0, 1),
-            }
-            rows.append(row)
-            print(f"{engine} {row['set_back']}: {message or 'no difference found'}", flush=True)
-            for line in row["example"]:
+            steps = [line for line in example if not line.startswith("Draw ")]
+            set_back = {k: sorted(v) if isinstance(v, set) else v for k, v in revert.items()}
+            rows.append(
+                {
+                    "engine": engine,
+                    "set_back": set_back,
+                    "declared": {k: getattr(declared, k) for k in revert if k != "ops"},
+                    "found": message,
+                    "example": steps,
+                    "seconds": round(time.perf_counter() - t0, 1),
+                }
+            )
+            print(f"{engine} {set_back}: {message or 'no difference found'}", flush=True)
+            for line in steps:
                 if not line.startswith("state."):
                     print(f"    {line}", flush=True)
     if args.json:

@@ -8,17 +8,9 @@ from typing import Any
 
 import attrs
 
-from prefixflight.core import (
-    LRU,
-    AllBlocksCleared,
-    BlockHash,
-    BlockHasher,
-    BlockRemoved,
-    BlockStored,
-    KVEvent,
-    PrefixCache,
-)
+from prefixflight.core import LRU, BlockHash, BlockHasher, PrefixCache
 from prefixflight.core._validate import assert_never
+from prefixflight.core.cache import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from prefixflight.core.flight._pages import PagePool, pages_for
 
 from .._adapter import KVChange, PoolView
