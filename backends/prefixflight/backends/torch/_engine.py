@@ -622,25 +622,25 @@ class AsyncEngine:
             self._deliver(self._scheduler.complete_step(future.result(), self._clock()))
 
     def _fail_all(self, exc: BaseException) -> None:
-        """Abort every live request with ``exc`` and close the step they were in: nothing
-        the failed step computed is used, and every pin and private page is handed back."""
+        """Abort every live request with ``exc`` and fail the step they were in: nothing the
+        failed step computed is used (the blocks it registered leave the cache), and every
+        pin and private page is handed back."""
         sched = self._scheduler
+        failed: dict[RequestId, RequestReport] = {}
+        if sched.outstanding is not None:
+            with contextlib.suppress(PrefixflightError):
+                failed = {r.request_id: r for r in sched.fail_step(self._clock())}
         live = list(self._live.values())
         self._live.clear()
         for stream in live:
-            with contextlib.suppress(PrefixflightError):
-                stream.report = sched.abort(stream.request_id, now=self._clock())
+            report = failed.get(stream.request_id)
+            if report is None:
+                with contextlib.suppress(PrefixflightError):
+                    report = sched.abort(stream.request_id, now=self._clock())
+            if report is not None:
+                stream.report = report
             self.runner.discard(stream.request_id)
             stream.fail(exc)
-        plan = sched.outstanding
-        if plan is not None:
-            # every request of the plan is aborted now, so the scheduler discards what this
-            # result says; it only closes the step (the aborted requests' pages come back)
-            sampled = [(p.request_id, 0) for p in plan.prefills if p.sample]
-            sampled += [(d.request_id, 0) for d in plan.decodes]
-            result = StepResult(step=plan.step, sampled=tuple(sampled))
-            with contextlib.suppress(PrefixflightError):
-                sched.complete_step(result, self._clock())
 
     def _deliver(self, outcome: StepOutcome) -> None:
         live = self._live
