@@ -18,12 +18,12 @@ step is used by no other request of that step.
 
 from __future__ import annotations
 
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, cast
 
 import attrs
 
 from .._errors import UsageError
-from .._validate import check_request_id, check_token_ids, int_field
+from .._validate import check_instance, check_request_id, check_token_ids, int_field
 
 __all__ = ["DecodeWork", "PrefillWork", "RequestId", "StepPlan", "StepResult"]
 
@@ -88,23 +88,23 @@ class StepPlan:
 def _check_sampled(inst: StepResult, _attribute: Any, value: object) -> None:
     """``sampled`` is a tuple of ``(request_id, token_id)`` pairs, each id at most once."""
     step = inst.step
-    if not isinstance(value, tuple):
-        raise UsageError(f"step {step}: sampled must be a tuple of (request_id, token) pairs")
+    check_instance(f"step {step}: sampled", value, tuple, error=UsageError)
     seen: set[RequestId] = set()
-    for pair in value:
+    for pair in cast("tuple[object, ...]", value):
         try:
-            if not isinstance(pair, tuple) or len(pair) != 2:
+            check_instance("entry", pair, tuple, error=UsageError)
+            if len(cast("tuple[object, ...]", pair)) != 2:
                 raise UsageError("not a pair")
-            check_request_id("request_id", pair[0])
+            rid = cast("tuple[RequestId, int]", pair)[0]
+            check_request_id("request_id", rid)
         except UsageError:
             raise UsageError(
                 f"step {step}: sampled entries must be (request_id, token), got {pair!r}"
             ) from None
-        rid = pair[0]
         if rid in seen:
             raise UsageError(f"step {step}: request {rid!r} sampled twice")
         seen.add(rid)
-    _check_tokens(step, value, None)
+    _check_tokens(step, cast("tuple[tuple[RequestId, int], ...]", value), None)
 
 
 def _check_tokens(
