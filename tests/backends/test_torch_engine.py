@@ -175,6 +175,11 @@ def test_a_backend_failure_fails_the_requests_of_its_step_and_the_engine_serves_
                     await collect(g)
                 assert isinstance(info.value.__cause__, RuntimeError)
             assert not engine.closed
+            # the failed step registered the prompts' blocks for same-step sharing: they
+            # never got their KV, so they left the cache with the step
+            assert len(engine.scheduler.cache) == 0
+            usage = engine.scheduler.page_usage()
+            assert usage.free == usage.total
             broken = False
             prompt = prompt_of(7, 9)
             out = await collect(engine.generate(prompt, SamplingParams(max_tokens=3)))
@@ -268,3 +273,53 @@ def test_engine_on_cuda_matches_the_cpu_greedy_reference(tiny_factory: Any) -> N
             return list(await asyncio.gather(*(collect(g) for g in gens)))
 
     assert run(main) == [expected] * 3
+
+
+_BURST_PAGE = 16
+_REFERENCE: dict[int, list[int]] = {}
+
+
+@pytest.mark.parametrize("arrival", ["together", "spread", "warm"])
+@pytest.mark.parametrize("policy", [ReleasePolicy.INDEPENDENT, ReleasePolicy.AFTER_PREFILL])
+@pytest.mark.parametrize("n", [4, 8])
+def test_a_burst_never_recomputes_the_shared_prompt(
+    tiny_factory: Any, n: int, policy: ReleasePolicy, arrival: str
+) -> None:
+    """The single-flight study's bursts on the real engine: 4 or 8 identical 532-token
+    prompts, 128 tokens out, arriving together, spread over the first steps, or after the
+    prompt was warmed; a step budget of 256 (below the prompt). Coordinated or not, the
+    prompt's full blocks are computed once and every other request reuses all 528 of its
+    tokens (pages of 16), and every answer is the model's greedy one."""
+    model = tiny_factory("llama", 0)
+    prompt = prompt_of(500 + n, 532)
+    if n not in _REFERENCE:
+        _REFERENCE[n] = greedy_reference(model, prompt, 128)
+    config = EngineConfig(
+        release_policy=policy,
+        num_pages=256,
+        page_size=_BURST_PAGE,
+        max_batch_tokens=256,
+        max_running=8,
+    )
+    sampling = SamplingParams(max_tokens=128, ignore_eos=True)
+
+    async def main() -> tuple[list[Any], Any, Any]:
+        async with AsyncEngine.from_model(model, config, device="cpu") as engine:
+            if arrival == "warm":
+                await engine.generate(prompt, sampling).result()
+            before = engine.scheduler.stats
+            gens = []
+            for _ in range(n):
+                gens.append(engine.generate(prompt, sampling))
+                if arrival == "spread":
+                    await asyncio.sleep(0.01)  # arrivals land while steps run
+            outputs = await asyncio.gather(*(collect(g) for g in gens))
+            assert all(out == _REFERENCE[n] for out in outputs)
+            return [g.report for g in gens], before, engine.scheduler.stats
+
+    reports, before, after = run(main)
+    reuse = (532 - 1) // _BURST_PAGE * _BURST_PAGE
+    computers = 0 if arrival == "warm" else 1
+    assert sorted(r.cached_tokens for r in reports) == [0] * computers + [reuse] * (n - computers)
+    computed = after.prefill_tokens - before.prefill_tokens
+    assert computed == 532 * computers + (532 - reuse) * (n - computers)

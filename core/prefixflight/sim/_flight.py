@@ -32,12 +32,15 @@ __all__ = [
 @final
 @attrs.frozen(kw_only=True)
 class FlightSimConfig:
-    """Engine shape shared by every experiment (block size as in the study: 16)."""
+    """Engine shape shared by every experiment (block size as in the study: 16).
+    ``same_step_sharing``: `SchedulerConfig.same_step_sharing` (False: the engine before it,
+    where requests admitted in one step never read each other's blocks)."""
 
     block_size: int = 16
     num_pages: int = 8192
     max_batch_tokens: int = 2048
     max_running: int = 64
+    same_step_sharing: bool = True
 
     def scheduler(self, publish: PublishMode) -> SchedulerConfig:
         return SchedulerConfig(
@@ -46,6 +49,7 @@ class FlightSimConfig:
             max_batch_tokens=self.max_batch_tokens,
             max_running=self.max_running,
             publish=publish,
+            same_step_sharing=self.same_step_sharing,
         )
 
     def flight(self, policy: ReleasePolicy, **kw: Any) -> FlightConfig:

@@ -700,34 +700,48 @@ class AsyncEngine:
         )
         error = StepFailedError(f"the engine step failed ({type(exc).__name__}: {exc})")
         error.__cause__ = exc
+        reports = self._close_failed_step()
         failed = [s for s in (self._live.pop(rid, None) for rid in rids) if s is not None]
-        self._fail(failed, error)
+        self._fail(failed, error, reports)
 
     def _fail_all(self, exc: BaseException) -> None:
-        """Abort every live request with ``exc`` and close the step they were in: nothing
-        the failed step computed is used, and every pin and private page is handed back."""
+        """Abort every live request with ``exc`` and fail the step they were in: nothing the
+        failed step computed is used (the blocks it registered leave the cache), and every
+        pin and private page is handed back."""
+        reports = self._close_failed_step()
         live = list(self._live.values())
         self._live.clear()
-        self._fail(live, exc)
+        self._fail(live, exc, reports)
 
-    def _fail(self, streams: list[_Stream], exc: BaseException) -> None:
-        """Abort ``streams`` (already out of `_live`) with ``exc``; close the outstanding
-        step if every request of it is aborted now."""
+    def _close_failed_step(self) -> dict[RequestId, RequestReport]:
+        """Fail the outstanding step, if there is one (`Scheduler.fail_step`): its running
+        requests are aborted, the blocks it registered for same-step sharing leave the cache
+        and its pages come back. The aborted requests' reports, by id."""
+        sched = self._scheduler
+        if sched.outstanding is None:
+            return {}
+        with contextlib.suppress(PrefixflightError):
+            return {r.request_id: r for r in sched.fail_step(self._clock())}
+        return {}
+
+    def _fail(
+        self,
+        streams: list[_Stream],
+        exc: BaseException,
+        reports: dict[RequestId, RequestReport],
+    ) -> None:
+        """Fail ``streams`` (already out of `_live`) with ``exc``; a request the failed step
+        did not abort (``reports`` has no entry for it) is aborted here."""
         sched = self._scheduler
         for stream in streams:
-            with contextlib.suppress(PrefixflightError):
-                stream.report = sched.abort(stream.request_id, now=self._clock())
+            report = reports.get(stream.request_id)
+            if report is None:
+                with contextlib.suppress(PrefixflightError):
+                    report = sched.abort(stream.request_id, now=self._clock())
+            if report is not None:
+                stream.report = report
             self.runner.discard(stream.request_id)
             stream.fail(exc)
-        plan = sched.outstanding
-        if plan is not None:
-            # every request of the plan is aborted now, so the scheduler discards what this
-            # result says; it only closes the step (the aborted requests' pages come back)
-            sampled = [(p.request_id, 0) for p in plan.prefills if p.sample]
-            sampled += [(d.request_id, 0) for d in plan.decodes]
-            result = StepResult(step=plan.step, sampled=tuple(sampled))
-            with contextlib.suppress(PrefixflightError):
-                sched.complete_step(result, self._clock())
 
     def _deliver(self, outcome: StepOutcome) -> None:
         live = self._live

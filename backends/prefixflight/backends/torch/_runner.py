@@ -60,6 +60,11 @@ class TransformersRunner:
     computed once; each copy gets the KV written into its own pages and samples with its own
     settings. `deduplicated_rows` counts them (`deduplicated_tokens`: their tokens).
 
+    Same-step sharing: a prefill whose `PrefillWork.reads_from` names other rows of the step
+    attends over pages those rows write in that step, so it runs in a later forward pass than
+    every one of them (both attention paths read the pool at the start of a pass or of a
+    layer), and a row another row reads from is never deduplicated away.
+
     Attention: ``attention="paged"`` (default) attends over the pool's pages inside the
     model (an ``AttentionInterface`` function; the model's attention implementation is set
     to it, which behaves exactly like ``sdpa`` for any forward pass not made by a paged
@@ -190,16 +195,20 @@ class TransformersRunner:
         The whole plan is validated first: a bad plan raises `UsageError` and writes nothing.
         """
         self._validate(plan)
-        rows = [_Row(p.request_id, p.token_ids, p.start, p.pages, p.sample) for p in plan.prefills]
+        rows = [
+            _Row(p.request_id, p.token_ids, p.start, p.pages, p.sample, p.reads_from)
+            for p in plan.prefills
+        ]
         rows += [_Row(d.request_id, (d.token_id,), d.position, d.pages, True) for d in plan.decodes]
         unique, copies = self._deduplicate(rows)
         computed: dict[RequestId, torch.Tensor] = {}
         logits: dict[RequestId, torch.Tensor] = {}
         with torch.inference_mode():
             forward = self._forward_paged if self.attention == "paged" else self._forward
-            for group in _batches(unique, self.long_chunk):
-                for row, out in zip(group, forward(group), strict=True):
-                    computed[row.request_id] = out
+            for level in _levels(unique):
+                for group in _batches(level, self.long_chunk):
+                    for row, out in zip(group, forward(group), strict=True):
+                        computed[row.request_id] = out
             pool = self.pool
             for row, same in copies:
                 end = row.start + len(row.tokens)
@@ -252,15 +261,17 @@ class TransformersRunner:
 
         Only rows that continue from context pages (``start > 0``) are merged: the same
         chunk over the same pages is the same computation. Cold chunks always run, so an
-        uncoordinated baseline stays uncoordinated.
+        uncoordinated baseline stays uncoordinated; so do rows that others read from in this
+        step (a copy is written after every pass, too late for its readers).
         """
         ps = self.pool.page_size
         first: dict[tuple[int, tuple[int, ...], tuple[int, ...]], _Row] = {}
         unique: list[_Row] = []
         copies: list[tuple[_Row, _Row]] = []
+        read = {w for row in rows for w in row.reads_from}
         for row in rows:
-            if not (self.deduplicate and row.start):  # cold chunks are always computed
-                unique.append(row)
+            if not (self.deduplicate and row.start) or row.request_id in read:
+                unique.append(row)  # computed: a cold chunk, or another row reads its pages
                 continue
             key = (row.start, row.tokens, row.pages[: -(-row.start // ps)])
             same = first.get(key)
@@ -442,6 +453,7 @@ class _Row(NamedTuple):
     start: int
     pages: tuple[int, ...]
     sample: bool
+    reads_from: tuple[RequestId, ...] = ()  # rows of this step that write its context
 
 
 class _Kept(NamedTuple):
@@ -466,6 +478,21 @@ class _Kept(NamedTuple):
             ):
                 return False
         return True
+
+
+def _levels(rows: list[_Row]) -> list[list[_Row]]:
+    """Rows by dependency depth, in plan order within each: a row that reads pages other
+    rows write in this step (``reads_from``, always earlier in the plan) is one level
+    deeper than the deepest of them. Without same-step sharing: one level, every row."""
+    depth: dict[RequestId, int] = {}
+    out: list[list[_Row]] = []
+    for row in rows:
+        d = 1 + max((depth[w] for w in row.reads_from if w in depth), default=-1)
+        depth[row.request_id] = d
+        if d == len(out):
+            out.append([])
+        out[d].append(row)
+    return out
 
 
 def _batches(rows: list[_Row], long_chunk: int) -> list[list[_Row]]:

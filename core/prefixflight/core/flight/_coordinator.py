@@ -24,15 +24,17 @@ import sys
 from array import array
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, ClassVar, Final, TypeAlias, final
+from typing import ClassVar, Final, TypeAlias, final
 
 import attrs
 
 from .._errors import ConfigError, UsageError
 from .._validate import (
     assert_never,
+    check_instance,
     check_int,
     check_time,
+    instance_field,
     int_field,
     request_id_field,
     time_field,
@@ -103,14 +105,6 @@ def _blocks(value: Iterable[BlockHash]) -> tuple[BlockHash, ...]:
     return out
 
 
-def _instance(cls: type) -> Any:
-    def check(_inst: object, attribute: Any, value: object) -> None:
-        if not isinstance(value, cls):
-            raise UsageError(f"{attribute.name} must be a {cls.__name__}, got {value!r}")
-
-    return check
-
-
 @final
 @attrs.frozen
 class FlightKey:
@@ -120,8 +114,8 @@ class FlightKey:
     practical purpose and cheap to hash), with their count.
     """
 
-    namespace: bytes = attrs.field(validator=_instance(bytes))
-    digest: bytes = attrs.field(validator=_instance(bytes))
+    namespace: bytes = attrs.field(validator=instance_field(bytes, error=UsageError))
+    digest: bytes = attrs.field(validator=instance_field(bytes, error=UsageError))
     num_tokens: int = attrs.field(validator=int_field(0, error=UsageError))
 
     @classmethod
@@ -149,7 +143,7 @@ class Arrived:
     partial-prefix coordination."""
 
     request_id: RequestId = attrs.field(validator=request_id_field())
-    key: FlightKey = attrs.field(validator=_instance(FlightKey))
+    key: FlightKey = attrs.field(validator=instance_field(FlightKey, error=UsageError))
     now: float = attrs.field(validator=time_field())
     blocks: tuple[BlockHash, ...] = attrs.field(default=(), converter=_blocks)
 
@@ -328,8 +322,7 @@ class FlightConfig:
     block_size: int = 16
 
     def __attrs_post_init__(self) -> None:
-        if not isinstance(self.policy, ReleasePolicy):
-            raise ConfigError(f"policy must be a ReleasePolicy, got {self.policy!r}")
+        check_instance("policy", self.policy, ReleasePolicy)
         if self.max_wait is not None:
             mw = check_time("max_wait", self.max_wait, error=ConfigError)
             if mw < 0:
@@ -427,8 +420,7 @@ class FlightCoordinator:
 
     def __init__(self, config: FlightConfig | None = None) -> None:
         self._config = FlightConfig() if config is None else config
-        if not isinstance(self._config, FlightConfig):
-            raise ConfigError(f"config must be a FlightConfig, got {config!r}")
+        check_instance("config", self._config, FlightConfig)
         self._flights: dict[int, _Flight] = {}
         self._by_key: dict[FlightKey, _Flight] = {}
         self._leading: dict[RequestId, _Flight] = {}
