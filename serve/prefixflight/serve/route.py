@@ -22,7 +22,9 @@ must be the backends' KV block size), so the router finds a prompt's blocks what
 seed the engine uses. Without KV events the fallback is llm-d's approximate prefix scorer,
 which assumes a backend caches what it was sent.
 
-Loads: the requests this router has in flight per backend. A backend that refuses a
+Loads: the requests this router has in flight per backend (as running and as waiting: a
+residency-first choice stays within 4 in-flight requests of the least loaded backend, and the
+approximate scorer's queue score balances cold prompts). A backend that refuses a
 connection is marked down (a request not yet sent goes to another one) and probed on
 ``/health`` until it answers.
 """
@@ -340,7 +342,15 @@ class _Router:
 
     # -- loads and decisions --------------------------------------------------------------
     def loads(self) -> list[ReplicaLoad]:
-        return [ReplicaLoad(name=n, running=self.in_flight[n]) for n in self.names if self.up[n]]
+        """The live backends and the load this router knows: its requests in flight there,
+        reported as ``running`` (the window's tie-break) and as ``waiting`` (the approximate
+        scorer's queue score), since the router cannot tell the engine's batch from its
+        queue."""
+        return [
+            ReplicaLoad(name=n, running=self.in_flight[n], waiting=self.in_flight[n])
+            for n in self.names
+            if self.up[n]
+        ]
 
     async def choose(self, rid: str, prompt: RoutePrompt) -> str:
         loads = self.loads()
