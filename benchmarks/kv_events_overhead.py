@@ -30,7 +30,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from prefixflight.core import LRU, BlockHash, BlockHasher, KVEvent, PrefixCache
+from prefixflight.core import LRU, BlockHash, BlockHasher, PrefixCache
+from prefixflight.core.cache import KVEvent
 from prefixflight.serve.kv_events import (
     KVEventPublisher,
     KVEventSubscriber,

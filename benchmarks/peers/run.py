@@ -51,9 +51,9 @@ from prefixflight.core import (
     BlockHasher,
     PrefixCache,
     TraceRecord,
-    compiled,
     replay,
 )
+from prefixflight.core.cache import compiled
 
 BLOCK = 16
 POOL_BLOCKS = 16_384

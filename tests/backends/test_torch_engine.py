@@ -22,13 +22,8 @@ from prefixflight.backends.torch import (  # noqa: E402
     SamplingParams,
     TransformersRunner,
 )
-from prefixflight.core import (  # noqa: E402
-    ConfigError,
-    FinishReason,
-    ReleasePolicy,
-    Role,
-    UsageError,
-)
+from prefixflight.core import ConfigError, FinishReason, ReleasePolicy, UsageError  # noqa: E402
+from prefixflight.core.flight import Role  # noqa: E402
 
 from .conftest import PAGE, engine_for, greedy_reference, prompt_of, run  # noqa: E402
 

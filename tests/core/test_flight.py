@@ -7,14 +7,18 @@ from typing import Any
 import pytest
 
 from prefixflight.core import (
-    Aborted,
-    Arrived,
     BlockHasher,
     ConfigError,
-    Finished,
     FlightConfig,
     FlightCoordinator,
     FlightKey,
+    ReleasePolicy,
+    UsageError,
+)
+from prefixflight.core.flight import (
+    Aborted,
+    Arrived,
+    Finished,
     Independent,
     Lead,
     Placement,
@@ -22,10 +26,8 @@ from prefixflight.core import (
     Progress,
     Promote,
     Release,
-    ReleasePolicy,
     ReleaseReason,
     Tick,
-    UsageError,
     Wait,
 )
 

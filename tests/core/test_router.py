@@ -12,13 +12,11 @@ from prefixflight.core import (
     BurstConfig,
     BurstRouter,
     ConfigError,
-    NoAffinity,
-    Placed,
     ReplicaLoad,
     RouteRequest,
     UsageError,
-    assign_batch,
 )
+from prefixflight.core.routing import NoAffinity, Placed, assign_batch
 
 BS = 64
 

@@ -19,13 +19,12 @@ from prefixflight.core import (
     PublishMode,
     ReleasePolicy,
     RequestReport,
-    RequestState,
-    Role,
     Scheduler,
     SchedulerConfig,
     StepResult,
     UsageError,
 )
+from prefixflight.core.flight import RequestState, Role
 from prefixflight.specs import FakeBackend
 
 BS = 4
@@ -483,7 +482,8 @@ def test_rejected_results_leave_the_state_unchanged(kind: str) -> None:
 
 
 def test_a_coordinator_that_already_knows_requests_is_rejected() -> None:
-    from prefixflight.core import Arrived, FlightKey
+    from prefixflight.core import FlightKey
+    from prefixflight.core.flight import Arrived
 
     coord = FlightCoordinator(FlightConfig(block_size=2))
     coord.handle(Arrived(request_id="elsewhere", key=FlightKey.of([1, 2, 3]), now=0.0))

@@ -9,15 +9,14 @@ import pytest
 
 from prefixflight.core import (
     LRU,
-    ApproxPrefixConfig,
-    ApproxPrefixRouter,
     BlockHasher,
-    KVEvent,
     PrefixCache,
     ReplicaLoad,
     RouteRequest,
     UsageError,
 )
+from prefixflight.core.cache import KVEvent
+from prefixflight.core.routing import ApproxPrefixConfig, ApproxPrefixRouter
 from prefixflight.serve.kv_events import (
     ClusterBlockIndex,
     ReplicaBlockIndex,

@@ -12,7 +12,8 @@ from hypothesis import Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 import prefixflight.core.cache._policies as policies_module
-from prefixflight.core import LRU, S3FIFO, BlockHash, EvictionPolicy, compiled
+from prefixflight.core import LRU, S3FIFO, BlockHash, EvictionPolicy
+from prefixflight.core.cache import compiled
 from prefixflight.specs import (
     CacheConformance,
     LRUConformance,

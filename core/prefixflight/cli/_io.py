@@ -18,7 +18,8 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import IO, TYPE_CHECKING
 
-from prefixflight.core import PrefixflightError, TraceReader, UsageError
+from prefixflight.core import PrefixflightError, UsageError
+from prefixflight.core.cache import TraceReader
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable

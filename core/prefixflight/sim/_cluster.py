@@ -43,7 +43,6 @@ from prefixflight.core import (
     PrefixCache,
     ReplicaLoad,
     RequestId,
-    Rng,
     Routed,
     Router,
     RouteRequest,
@@ -51,6 +50,7 @@ from prefixflight.core import (
     UsageError,
 )
 from prefixflight.core._validate import check_int
+from prefixflight.core.routing import Rng
 
 __all__ = [
     "ClusterConfig",
@@ -87,6 +87,7 @@ def _span(name: str, value: object, minimum: int) -> tuple[int, int]:
     return lo, hi
 
 
+@final
 @attrs.frozen(kw_only=True)
 class ClusterConfig:
     """Replicas and their cost model. Defaults: a ~4B model on one GPU, roughly."""
@@ -110,6 +111,7 @@ class ClusterConfig:
         return tuple(f"replica-{i:0{width}d}" for i in range(self.replicas))
 
 
+@final
 @attrs.frozen(kw_only=True)
 class SimRequest:
     """One request of a workload.
@@ -129,6 +131,7 @@ class SimRequest:
     cache_blocks: tuple[BlockHash, ...]
 
 
+@final
 @attrs.frozen(kw_only=True)
 class Workload:
     """Requests sorted by (step, arrival); ``chained`` steps start when the previous ends."""
@@ -291,6 +294,7 @@ def trace_workload(
     )
 
 
+@final
 @attrs.frozen(kw_only=True)
 class RouterReport:
     """What one router did on one workload."""

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterable
+from typing import final
 
 import attrs
 
@@ -37,18 +38,16 @@ from prefixflight.core import (
     ConfigError,
     FlightConfig,
     FlightCoordinator,
-    FlightStats,
     PrefixCache,
     RequestId,
     RequestReport,
-    Role,
     Scheduler,
     SchedulerConfig,
-    SchedulerStats,
     StepPlan,
     StepResult,
     UsageError,
 )
+from prefixflight.core.flight import FlightStats, Role, SchedulerStats
 
 __all__ = ["Arrival", "CostModel", "SimulationResult", "simulate_engine"]
 
@@ -58,6 +57,7 @@ def _non_negative(_inst: object, a: attrs.Attribute[float], value: object) -> No
         raise ConfigError(f"{a.name} must be a number >= 0, got {value!r}")
 
 
+@final
 @attrs.frozen(kw_only=True)
 class CostModel:
     """Seconds per step: a fixed overhead, plus prefill tokens, plus decodes (see module)."""
@@ -198,6 +198,7 @@ def _token_tuple(tokens: Iterable[int]) -> tuple[int, ...]:
     return tuple(tokens)
 
 
+@final
 @attrs.frozen(kw_only=True)
 class Arrival:
     """A request of the workload. It arrives at ``at`` seconds, or, with ``after=(rid, n)``,
@@ -211,6 +212,7 @@ class Arrival:
     namespace: bytes = b""
 
 
+@final
 @attrs.frozen(kw_only=True)
 class SimulationResult:
     """Per-request reports (in arrival order) and the components' stats."""

@@ -21,7 +21,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from prefixflight.core import FinishReason, RequestReport, RequestState, Role
+from prefixflight.core import FinishReason, RequestReport
+from prefixflight.core.flight import RequestState, Role
 
 if TYPE_CHECKING:
     from prefixflight.backends.torch import AsyncEngine

@@ -20,15 +20,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal, Protocol, TypeAlias, final
 
 from prefixflight.core import (
-    ApproxPrefixConfig,
-    ApproxPrefixRouter,
     BlockHash,
     BlockHasher,
-    BurstAffinityRouter,
     BurstConfig,
     BurstRouter,
     ConfigError,
-    LeastLoadedRouter,
     PrefixIndex,
     ReplicaLoad,
     Routed,
@@ -37,6 +33,12 @@ from prefixflight.core import (
     UsageError,
 )
 from prefixflight.core._validate import check_time
+from prefixflight.core.routing import (
+    ApproxPrefixConfig,
+    ApproxPrefixRouter,
+    BurstAffinityRouter,
+    LeastLoadedRouter,
+)
 from prefixflight.core.routing._protocol import check_replicas
 
 from ._residency import BlockSetResidency, FollowsReplicas, ResidencyFirstRouter

@@ -1,6 +1,6 @@
 """KV events on vLLM's wire: publish a `PrefixCache`'s events over ZMQ, follow publishers.
 
-`KVEventPublisher` is a `prefixflight.core.EventSink`: give it to ``PrefixCache(event_sink=)``
+`KVEventPublisher` is a `prefixflight.core.cache.EventSink`: give it to ``PrefixCache(event_sink=)``
 (or to the engine) and it publishes the cache's ``BlockStored`` / ``BlockRemoved`` /
 ``AllBlocksCleared`` as vLLM's ``ZmqEventPublisher`` does (vllm-project/vllm,
 ``vllm/distributed/kv_events.py`` at commit 0181ea31): multipart messages ``[topic, seq,
@@ -29,17 +29,14 @@ from typing import Final, Literal
 import attrs
 import zmq
 
-from prefixflight.core import (
+from prefixflight.core import BlockHash, BlockHasher, ConfigError, UsageError
+from prefixflight.core._validate import assert_never
+from prefixflight.core.cache import (
     AllBlocksCleared,
-    BlockHash,
-    BlockHasher,
     BlockRemoved,
     BlockStored,
-    ConfigError,
     KVEvent,
-    UsageError,
 )
-from prefixflight.core._validate import assert_never
 
 from ._kv_index import ClusterBlockIndex, IndexStats, ReplicaBlockIndex, ReplicaFeed
 from ._kv_wire import (

@@ -17,16 +17,18 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from prefixflight.core import (
     S3FIFO,
-    AllBlocksCleared,
     BlockHash,
-    BlockRemoved,
-    BlockStored,
     CapacityError,
-    KVEvent,
     PrefixCache,
     UsageError,
 )
 from prefixflight.core._validate import assert_never
+from prefixflight.core.cache import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+)
 
 from ._reference import ReferenceLRU, ReferenceS3FIFO
 from ._strategies import s3fifo_configs

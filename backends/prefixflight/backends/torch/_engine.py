@@ -26,7 +26,6 @@ from prefixflight.core import (
     LRU,
     S3FIFO,
     ConfigError,
-    EventSink,
     FlightConfig,
     FlightCoordinator,
     PrefixCache,
@@ -42,6 +41,7 @@ from prefixflight.core import (
     UsageError,
 )
 from prefixflight.core._validate import check_int, instance_field, int_field, optional_int_field
+from prefixflight.core.cache import EventSink
 
 from ._runner import TransformersRunner
 from ._sampling import SamplingParams

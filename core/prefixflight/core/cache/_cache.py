@@ -32,6 +32,7 @@ __all__ = [
 ]
 
 
+@final
 @attrs.frozen(kw_only=True)
 class BlockStored:
     """Blocks entered the cache (shaped like vLLM's ``BlockStored`` KV event).
@@ -45,6 +46,7 @@ class BlockStored:
     block_size: int
 
 
+@final
 @attrs.frozen(kw_only=True)
 class BlockRemoved:
     """Blocks left the cache (vLLM's ``BlockRemoved``)."""
@@ -52,6 +54,7 @@ class BlockRemoved:
     block_hashes: tuple[BlockHash, ...]
 
 
+@final
 @attrs.frozen
 class AllBlocksCleared:
     """Every block left the cache (vLLM's ``AllBlocksCleared``)."""
@@ -61,6 +64,7 @@ KVEvent: TypeAlias = BlockStored | BlockRemoved | AllBlocksCleared
 EventSink: TypeAlias = Callable[[KVEvent], None]
 
 
+@final
 @attrs.frozen(kw_only=True)
 class CacheStats:
     """Counters since the cache was made. Rates are 0.0 when nothing was counted."""

@@ -43,6 +43,7 @@ _MASK = (1 << _SHIFT) - 1
 _BIT = tuple(1 << i for i in range(1 << _SHIFT))
 
 
+@final
 @attrs.frozen(kw_only=True)
 class CurvePoint:
     """One capacity's replay outcome; the same numbers `replay` reports for it."""

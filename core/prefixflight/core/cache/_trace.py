@@ -27,6 +27,7 @@ def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+@final
 @attrs.frozen(kw_only=True)
 class TraceRecord:
     """One request of a trace."""

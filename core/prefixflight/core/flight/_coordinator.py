@@ -142,6 +142,7 @@ class FlightKey:
 
 
 # -- events ------------------------------------------------------------------------------
+@final
 @attrs.frozen(kw_only=True)
 class Arrived:
     """A request arrived. ``blocks`` (its chained full-block hashes) are only needed for
@@ -153,6 +154,7 @@ class Arrived:
     blocks: tuple[BlockHash, ...] = attrs.field(default=(), converter=_blocks)
 
 
+@final
 @attrs.frozen(kw_only=True)
 class Progress:
     """A request has published its first ``published_blocks`` full prompt blocks."""
@@ -162,6 +164,7 @@ class Progress:
     now: float = attrs.field(validator=time_field())
 
 
+@final
 @attrs.frozen(kw_only=True)
 class PrefillDone:
     """A request's prompt is computed and its full prompt blocks are published."""
@@ -170,6 +173,7 @@ class PrefillDone:
     now: float = attrs.field(validator=time_field())
 
 
+@final
 @attrs.frozen(kw_only=True)
 class Finished:
     """A request ended normally."""
@@ -178,6 +182,7 @@ class Finished:
     now: float = attrs.field(validator=time_field())
 
 
+@final
 @attrs.frozen(kw_only=True)
 class Aborted:
     """A request was aborted or failed (before or after its prefill)."""
@@ -186,6 +191,7 @@ class Aborted:
     now: float = attrs.field(validator=time_field())
 
 
+@final
 @attrs.frozen(kw_only=True)
 class Tick:
     """Time passed: followers that waited longer than ``max_wait`` are released."""
@@ -198,6 +204,7 @@ _EVENT_TYPES = (Arrived, Progress, PrefillDone, Finished, Aborted, Tick)
 
 
 # -- decisions ---------------------------------------------------------------------------
+@final
 @attrs.frozen(kw_only=True)
 class Lead:
     """The request leads ``flight``: admit it, it computes the prompt."""
@@ -206,6 +213,7 @@ class Lead:
     flight: int
 
 
+@final
 @attrs.frozen(kw_only=True)
 class Wait:
     """The request waits in ``flight`` without pages. ``blocks`` is how many leading blocks
@@ -216,6 +224,7 @@ class Wait:
     blocks: int | None = None
 
 
+@final
 @attrs.frozen(kw_only=True)
 class Independent:
     """The request is not coordinated: admit it, it computes on its own."""
@@ -223,6 +232,7 @@ class Independent:
     request_id: RequestId
 
 
+@final
 @attrs.frozen(kw_only=True)
 class Release:
     """These waiting requests may be admitted now (oldest first); they look the prefix up."""
@@ -232,6 +242,7 @@ class Release:
     reason: ReleaseReason
 
 
+@final
 @attrs.frozen(kw_only=True)
 class Promote:
     """The leader left before publishing: this follower (the oldest) leads ``flight`` now;
@@ -299,6 +310,7 @@ _VERBS: Final[Mapping[type[FlightEvent], str]] = {
 }
 
 
+@final
 @attrs.frozen(kw_only=True)
 class FlightConfig:
     """How the coordinator behaves.
@@ -327,6 +339,7 @@ class FlightConfig:
         check_int("block_size", self.block_size, minimum=1)
 
 
+@final
 @attrs.frozen(kw_only=True)
 class FlightStats:
     """Counters since the coordinator was made (times in the events' units)."""

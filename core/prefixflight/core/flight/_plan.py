@@ -10,7 +10,7 @@ Pages written by a step are never shared with another request during that step.
 
 from __future__ import annotations
 
-from typing import TypeAlias
+from typing import TypeAlias, final
 
 import attrs
 
@@ -20,6 +20,7 @@ RequestId: TypeAlias = int | str
 """Request ids are the host's; the core never invents them."""
 
 
+@final
 @attrs.frozen(kw_only=True)
 class PrefillWork:
     """Compute ``token_ids`` at positions ``start .. start + len(token_ids) - 1``."""
@@ -34,6 +35,7 @@ class PrefillWork:
     """True when this chunk ends the prompt: sample the request's first output token."""
 
 
+@final
 @attrs.frozen(kw_only=True)
 class DecodeWork:
     """Compute one token (the last one sampled) at ``position`` and sample the next."""
@@ -45,6 +47,7 @@ class DecodeWork:
     """Page table covering at least ``[0, position + 1)``."""
 
 
+@final
 @attrs.frozen(kw_only=True)
 class StepPlan:
     """What to run in one forward pass (a batch of prefill chunks and decodes)."""
@@ -62,6 +65,7 @@ class StepPlan:
         return not self.prefills and not self.decodes
 
 
+@final
 @attrs.frozen(kw_only=True)
 class StepResult:
     """What the backend computed: the token sampled for every prefill with ``sample=True``

@@ -84,6 +84,7 @@ class LeastLoadedRouter:
         """Nothing to learn."""
 
 
+@final
 @attrs.frozen(kw_only=True)
 class ApproxPrefixConfig:
     """llm-d's approximate prefix-cache scorer and its default weights."""

@@ -72,6 +72,7 @@ DEFAULT_MAX_PREFIX_BLOCKS = 2048
 """llm-d's default cap on the blocks in a group key (``max_prefix_tokens_to_match=0``)."""
 
 
+@final
 @attrs.frozen(kw_only=True)
 class BurstConfig:
     """`BurstRouter`'s settings (llm-d's parameter names in snake case); validated here.
@@ -150,6 +151,7 @@ class BurstConfig:
         return None if self.lone_wait_ms is None else self.lone_wait_ms / 1000.0
 
 
+@final
 @attrs.frozen(kw_only=True)
 class Placed:
     """Send ``request_id`` to ``replica``: its prefix (``matched_blocks`` blocks of its key)
@@ -164,6 +166,7 @@ class Placed:
         return self.matched_blocks if replica == self.replica else 0
 
 
+@final
 @attrs.frozen(kw_only=True)
 class NoAffinity:
     """No placement for ``request_id``: it shares nothing in its batch; other scorers decide."""

@@ -9,7 +9,7 @@ the host; their loads are inputs the host refreshes.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Protocol, final, runtime_checkable
 
 import attrs
 
@@ -43,6 +43,7 @@ def _blocks(value: Iterable[BlockHash]) -> tuple[BlockHash, ...]:
     return out
 
 
+@final
 @attrs.frozen(kw_only=True)
 class RouteRequest:
     """A request as routers see it.
@@ -56,6 +57,7 @@ class RouteRequest:
     num_tokens: int = attrs.field(validator=int_field(0, error=UsageError))
 
 
+@final
 @attrs.frozen(kw_only=True)
 class ReplicaLoad:
     """One replica and its load as the host last observed it.
@@ -77,6 +79,7 @@ class ReplicaLoad:
         check_ratio("kv_utilization", self.kv_utilization, error=UsageError)
 
 
+@final
 @attrs.frozen(kw_only=True)
 class Routed:
     """A final routing decision: send ``request_id`` to ``replica``."""

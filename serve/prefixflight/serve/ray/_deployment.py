@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any, Literal, TypeAlias, final
 
 import attrs
 
-from prefixflight.core import ConfigError, RequestState
+from prefixflight.core import ConfigError
+from prefixflight.core.flight import RequestState
 
 from ._adapter import FirstToken, GenerateRequest, GenerateResult
 
