@@ -392,16 +392,21 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-ROWS: list[tuple[str, str | tuple[str, ...], str]] = [
-    ("groups fully co-located", "groups_colocated", "{:.1%}"),
-    ("mean replicas per group", "replicas_per_group", "{:.2f}"),
-    ("prefix hit rate (replicas' metrics)", "hit_rate", "{:.1%}"),
-    ("  GRPO / mix hit rate", ("grpo_hit_rate", "mix_hit_rate"), "{:.1%}"),
-    ("TTFT p50 (s)", "ttft_p50", "{:.3f}"),
-    ("TTFT p95 (s)", "ttft_p95", "{:.3f}"),
-    ("  GRPO / mix TTFT p50 (s)", ("grpo_ttft_p50", "mix_ttft_p50"), "{:.3f}"),
-    ("makespan (s)", "makespan_s", "{:.2f}"),
+COLUMNS: list[tuple[str, str, str]] = [
+    ("co-loc", "groups_colocated", "{:.1%}"),
+    ("repl/grp", "replicas_per_group", "{:.2f}"),
+    ("hit", "hit_rate", "{:.1%}"),
+    ("GRPO hit", "grpo_hit_rate", "{:.1%}"),
+    ("mix hit", "mix_hit_rate", "{:.1%}"),
+    ("TTFT p50", "ttft_p50", "{:.3f}"),
+    ("TTFT p95", "ttft_p95", "{:.3f}"),
+    ("GRPO p50", "grpo_ttft_p50", "{:.3f}"),
+    ("mix p50", "mix_ttft_p50", "{:.3f}"),
+    ("makespan", "makespan_s", "{:.2f}"),
 ]
+"""Per router: groups fully co-located, mean replicas per group, prefix hit rate (the
+replicas' own counters; overall, GRPO phase, mix phase), TTFT p50/p95 in seconds (overall,
+then the p50 of each phase), makespan in seconds (both phases)."""
 
 
 def median_of(rounds: list[dict[str, Any]], key: str) -> float | None:
@@ -410,21 +415,11 @@ def median_of(rounds: list[dict[str, Any]], key: str) -> float | None:
 
 
 def table(summary: dict[str, dict[str, Any]]) -> str:
-    names = list(summary)
-    width = max(12, *(len(n) for n in names))
-    lines = [f"{'metric':38}" + "".join(f"{n:>{width + 2}}" for n in names)]
-    for label, key, fmt in ROWS:
-        cells = []
-        for n in names:
-            m = summary[n]
-            if isinstance(key, tuple):
-                vals = [m.get(k) for k in key]
-                cell = " / ".join("n/a" if v is None else fmt.format(v) for v in vals)
-            else:
-                v = m.get(key)
-                cell = "n/a" if v is None else fmt.format(v)
-            cells.append(f"{cell:>{width + 2}}")
-        lines.append(f"{label:38}" + "".join(cells))
+    width = max(len(n) for n in summary)
+    lines = [f"{'router':{width}}" + "".join(f"{c:>10}" for c, _, _ in COLUMNS)]
+    for name, m in summary.items():
+        cells = ["n/a" if m.get(k) is None else f.format(m[k]) for _, k, f in COLUMNS]
+        lines.append(f"{name:{width}}" + "".join(f"{c:>10}" for c in cells))
     return "\n".join(lines)
 
 
@@ -443,7 +438,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--logs", type=Path, default=ROOT / ".route-bench-logs")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument(
+        "--table", type=Path, default=None, metavar="JSON", help="print the table of a result"
+    )
     args = p.parse_args(argv)
+    if args.table is not None:
+        print(table(json.loads(args.table.read_text())["summary"]))
+        return 0
     names = [n.strip() for n in args.routers.split(",") if n.strip()]
     for n in names:
         if n not in ROUTERS:
