@@ -1,5 +1,5 @@
 """``prefixflight route``: flag mistakes are one-line usage errors (exit 2), and the command
-serves (a subprocess on a free loopback port) and stops on Ctrl-C with exit 0."""
+serves (a subprocess on a free loopback port) and stops on Ctrl-C or SIGTERM with exit 0."""
 
 from __future__ import annotations
 
@@ -64,7 +64,8 @@ def _closed_port_url() -> str:
         return f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
-def test_the_command_serves_and_stops_on_ctrl_c() -> None:
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_the_command_serves_and_stops_gracefully(stop: signal.Signals) -> None:
     pytest.importorskip("fastapi")
     httpx = pytest.importorskip("httpx")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -97,7 +98,7 @@ def test_the_command_serves_and_stops_on_ctrl_c() -> None:
         assert r.json()["error"]["message"] == "no backend is up"
         assert httpx.get(url + "/health", timeout=10).status_code == 503
     finally:
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(stop)
         code = proc.wait(timeout=30)
         assert proc.stderr is not None
         rest = proc.stderr.read()

@@ -150,7 +150,7 @@ def replicas(smollm2: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 def router(replicas: list[VLLM], smollm2: Any) -> Iterator[ServerThread]:
     from prefixflight.core import BurstConfig
     from prefixflight.serve._text import HFCodec
-    from prefixflight.serve.route import Backend, RouteConfig, build_route_app
+    from prefixflight.serve.route import Backend, RouteConfig, build_route_app, route_server
 
     config = RouteConfig(
         backends=tuple(Backend(url=r.url, kv_events=r.kv) for r in replicas),
@@ -158,7 +158,8 @@ def router(replicas: list[VLLM], smollm2: Any) -> Iterator[ServerThread]:
         burst=BurstConfig(window_ms=100, lone_wait_ms=10),
         engine_block_size=BLOCK,
     )
-    server = ServerThread(build_route_app(config, codec=HFCodec(smollm2.tokenizer))).start()
+    app = build_route_app(config, codec=HFCodec(smollm2.tokenizer))
+    server = ServerThread(app, make_server=route_server).start()
     yield server
     server.stop()
 

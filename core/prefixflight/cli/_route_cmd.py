@@ -17,6 +17,7 @@ from typing import Any
 from prefixflight.core import BurstConfig, ConfigError, UsageError
 
 from ._args import at_least, positive_float
+from ._serve_cmd import add_access_arguments, api_keys
 
 __all__ = ["register", "run"]
 
@@ -124,19 +125,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="requests relayed at once; past it 429",
     )
     h.add_argument(
-        "--max-body-bytes",
-        type=at_least(1),
-        default=32 * 1024 * 1024,
-        metavar="N",
-        help="largest request body; past it 413",
-    )
-    h.add_argument(
-        "--api-key",
-        action="append",
-        metavar="KEY",
-        help="accept only requests with Authorization: Bearer KEY (repeat for more keys)",
-    )
-    h.add_argument(
         "--timeout-s",
         type=positive_float,
         default=600.0,
@@ -150,6 +138,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="uvicorn's log level",
     )
     h.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    add_access_arguments(p)  # prefixflight serve's: API keys, body size, timeouts
     p.set_defaults(func=run, parser=p)
 
 
@@ -189,19 +178,18 @@ def run(args: argparse.Namespace) -> int:
     replay = _per_backend(parser, "--kv-events-replay", args.kv_events_replay, n)
     if args.kv_events is None and args.kv_events_replay is not None:
         parser.error("--kv-events-replay needs --kv-events")
+    keys = api_keys(args)  # a bad keys file fails before anything starts
     try:
-        from prefixflight.serve import http
-        from prefixflight.serve._limits import HttpLimits
-        from prefixflight.serve.route import Backend, RouteConfig, build_route_app
+        from prefixflight.serve import route
     except ImportError as exc:
         raise UsageError(
             f"`prefixflight route` needs the serve extra ({exc}); install it with "
             "`pip install 'prefixflight[serve]'`"
         ) from None
     try:
-        config = RouteConfig(
+        config = route.RouteConfig(
             backends=tuple(
-                Backend(url=url.rstrip("/").removesuffix("/v1"), kv_events=k, kv_replay=r)
+                route.Backend(url=url.rstrip("/").removesuffix("/v1"), kv_events=k, kv_replay=r)
                 for url, k, r in zip(args.backend, kv, replay, strict=True)
             ),
             policy=args.policy,
@@ -215,7 +203,11 @@ def run(args: argparse.Namespace) -> int:
             ),
             engine_block_size=args.engine_block_size,
             max_in_flight=args.max_in_flight,
-            limits=HttpLimits(max_body_bytes=args.max_body_bytes, api_keys=args.api_key or ()),
+            api_keys=keys,
+            max_body_bytes=args.max_body_bytes,
+            client_timeout=args.client_timeout,
+            keep_alive_timeout=args.keep_alive_timeout,
+            shutdown_timeout=args.shutdown_timeout,
             timeout_s=args.timeout_s,
         )
     except ConfigError as exc:
@@ -228,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
             f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}"
         ) from None
     with sock:
-        app = build_route_app(config, codec=codec)
+        app = route.build_route_app(config, codec=codec)
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
         events = "KV events from each" if args.kv_events else "no KV events"
@@ -238,5 +230,5 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
-        http.serve(app, sock, log_level=args.log_level, access_log=args.access_log)
+        route.serve(app, sock, log_level=args.log_level, access_log=args.access_log)
     return 0

@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, Final, final
@@ -50,6 +51,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from starlette.exceptions import HTTPException
 
 from prefixflight.core import (
     BlockHasher,
@@ -60,18 +62,23 @@ from prefixflight.core import (
     Routed,
 )
 
-from ._limits import (
-    HttpError,
-    HttpLimits,
-    check_api_key,
-    error_body,
-    error_response,
-    read_body,
-)
+from ._limits import ApiKeys, BodyLimits, GracefulServer, HeaderDeadline
 from ._routing import POLICIES, PolicyName, RoutingState
+from ._server import ApiError as HttpError
+from ._server import error_body
 from ._text import Codec
 
-__all__ = ["Backend", "RouteConfig", "RoutePrompt", "build_route_app", "route_prompt"]
+__all__ = [
+    "Backend",
+    "RouteConfig",
+    "RoutePrompt",
+    "build_route_app",
+    "route_prompt",
+    "route_server",
+    "serve",
+]
+
+MIB: Final = 1 << 20
 
 _RELAYED_HEADERS: Final = ("content-type", "authorization", "accept")
 _NOT_RELAYED: Final = frozenset(  # hop-by-hop, or set by this server itself
@@ -127,10 +134,28 @@ def _backends(value: Sequence[Backend]) -> tuple[Backend, ...]:
     return out
 
 
+def _keys(value: Mapping[str, str | None]) -> dict[str, str | None]:
+    out = dict(value)
+    for key, tenant in out.items():
+        if not isinstance(key, str) or not key:
+            raise ConfigError(f"API keys must be non-empty strs, got {key!r}")
+        if tenant is not None and (not isinstance(tenant, str) or not tenant):
+            raise ConfigError(f"a key's tenant must be None or a non-empty str, got {tenant!r}")
+    return out
+
+
 def _positive(name: str) -> Any:
     def check(_i: object, _a: object, value: float) -> None:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ConfigError(f"{name} must be a number > 0, got {value!r}")
+
+    return check
+
+
+def _non_negative(name: str) -> Any:
+    def check(_i: object, _a: object, value: float) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise ConfigError(f"{name} must be a number >= 0, got {value!r}")
 
     return check
 
@@ -151,9 +176,13 @@ class RouteConfig:
     - ``burst``: the window (`BurstConfig`; route keys of ``block_size_tokens``).
     - ``engine_block_size``: the backends' KV block size (residency keys).
     - ``max_in_flight``: requests relayed at once; past it, 429 with ``Retry-After``.
-    - ``limits``: body size and API keys (`HttpLimits`).
     - ``timeout_s``: the longest wait for a backend's answer (or its next stream chunk).
     - ``health_interval_s``: how often a backend marked down is probed.
+    - The limits of ``prefixflight serve`` (``prefixflight.serve._limits``, the same
+      middlewares): ``api_keys`` (key -> tenant or None; empty: no keys), ``max_body_bytes``
+      (413 past it), ``client_timeout`` (a client silent that long while it sends its
+      headers or body is dropped, 408), ``keep_alive_timeout``, ``shutdown_timeout`` (on
+      SIGINT/SIGTERM, how long relayed requests may take to finish).
     """
 
     backends: tuple[Backend, ...] = attrs.field(converter=_backends)
@@ -161,7 +190,11 @@ class RouteConfig:
     burst: BurstConfig = attrs.field(factory=BurstConfig)
     engine_block_size: int = attrs.field(default=16, validator=_at_least_one("engine_block_size"))
     max_in_flight: int = attrs.field(default=1024, validator=_at_least_one("max_in_flight"))
-    limits: HttpLimits = attrs.field(factory=HttpLimits)
+    api_keys: Mapping[str, str | None] = attrs.field(factory=dict, converter=_keys)
+    max_body_bytes: int = attrs.field(default=32 * MIB, validator=_at_least_one("max_body_bytes"))
+    client_timeout: float = attrs.field(default=30.0, validator=_positive("client_timeout"))
+    keep_alive_timeout: float = attrs.field(default=5.0, validator=_positive("keep_alive_timeout"))
+    shutdown_timeout: float = attrs.field(default=5.0, validator=_non_negative("shutdown_timeout"))
     timeout_s: float = attrs.field(default=600.0, validator=_positive("timeout_s"))
     health_interval_s: float = attrs.field(default=2.0, validator=_positive("health_interval_s"))
     seed: int | None = 0
@@ -199,14 +232,17 @@ def _messages_text(messages: Sequence[Mapping[str, Any]]) -> str:
     return json.dumps([[m.get("role"), m.get("content")] for m in messages], separators=(",", ":"))
 
 
-async def route_prompt(endpoint: str, body: Mapping[str, Any], codec: Codec | None) -> RoutePrompt:
+async def route_prompt(
+    endpoint: str, body: Mapping[str, Any], codec: Codec | None, *, tenant: str | None = None
+) -> RoutePrompt:
     """The `RoutePrompt` of a completions (``prompt``) or chat (``messages``) body; a batch
     prompt is keyed by its first entry. Raises `HttpError` (400) naming a malformed field;
-    other fields are the backend's to check. Tokenizing runs in a worker thread."""
+    other fields are the backend's to check. Tokenizing runs in a worker thread. The
+    namespace is the ``tenant`` (an API key's, from a keys file) and the ``cache_salt``."""
     salt = body.get("cache_salt")
     if salt is not None and not isinstance(salt, str):
         raise HttpError(400, f"cache_salt must be a string, got {salt!r}", param="cache_salt")
-    namespace = salt or ""
+    namespace = (salt or "") if tenant is None else json.dumps([tenant, salt])
     if endpoint == "chat":
         messages = body.get("messages")
         if (
@@ -332,6 +368,8 @@ class _Router:
         self.in_flight = dict.fromkeys(self.names, 0)
         self.up = dict.fromkeys(self.names, True)
         self.total_in_flight = 0
+        self.draining = False
+        self.idle: asyncio.Event | None = None  # set when the last relayed request ends
         self.metrics = _Metrics(self.names, config.policy)
         self.metrics.decision.labels(config.policy)
         self.waiters: dict[str, asyncio.Future[str]] = {}
@@ -412,6 +450,8 @@ class _Router:
     def count(self, name: str, delta: int) -> None:
         self.in_flight[name] += delta
         self.total_in_flight += delta
+        if not self.total_in_flight and self.idle is not None:
+            self.idle.set()
         self.metrics.in_flight.labels(name).set(self.in_flight[name])
 
     # -- relaying -------------------------------------------------------------------------
@@ -469,6 +509,14 @@ class _Router:
         return Response(
             content, status_code=upstream.status_code, media_type=media or None, headers=headers
         )
+
+    async def drain(self) -> None:
+        """Refuse new requests (503); give those relayed ``shutdown_timeout`` seconds."""
+        self.draining = True
+        if self.total_in_flight:
+            self.idle = asyncio.Event()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.idle.wait(), self.config.shutdown_timeout)
 
     # -- health ---------------------------------------------------------------------------
     async def watch_health(self) -> None:
@@ -538,6 +586,14 @@ class _Relay(Response):
             self._router.count(name, -1)
 
 
+def _error_response(err: HttpError) -> JSONResponse:
+    return JSONResponse(
+        error_body(err.status, err.message, err.kind, err.param),
+        status_code=err.status,
+        headers=err.headers,
+    )
+
+
 def build_route_app(
     config: RouteConfig,
     *,
@@ -583,15 +639,24 @@ def build_route_app(
 
     app = FastAPI(title="prefixflight route", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.router = router
-    limits = config.limits
+    app.add_middleware(BodyLimits, max_bytes=config.max_body_bytes, timeout=config.client_timeout)
+    if config.api_keys:
+        app.add_middleware(ApiKeys, keys=config.api_keys)  # outermost: before any body is read
 
     @app.exception_handler(HttpError)
     async def http_error(_r: Request, exc: HttpError) -> JSONResponse:
-        return error_response(exc)
+        return _error_response(exc)
+
+    @app.exception_handler(HTTPException)
+    async def starlette_error(_r: Request, exc: HTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _error_response(
+            HttpError(exc.status_code, str(exc.detail), kind, headers=exc.headers)
+        )
 
     @app.exception_handler(Exception)
     async def crashed(_r: Request, exc: Exception) -> JSONResponse:
-        return error_response(
+        return _error_response(
             HttpError(500, f"internal router error ({type(exc).__name__})", "server_error")
         )
 
@@ -607,18 +672,15 @@ def build_route_app(
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        check_api_key(request, limits)
         return await forward("GET", "/v1/models", request, None)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
-        check_api_key(request, limits)
-        return await forward("POST", "/tokenize", request, await read_body(request, limits))
+        return await forward("POST", "/tokenize", request, await request.body())
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
-        check_api_key(request, limits)
-        return await forward("POST", "/detokenize", request, await read_body(request, limits))
+        return await forward("POST", "/detokenize", request, await request.body())
 
     async def forward(method: str, path: str, request: Request, body: bytes | None) -> Response:
         """A stateless call: to the least loaded live backend."""
@@ -637,8 +699,9 @@ def build_route_app(
         return await router.answer(name, upstream)
 
     async def generate(endpoint: str, path: str, request: Request) -> Response:
-        check_api_key(request, limits)
-        body = await read_body(request, limits)
+        if router.draining:
+            raise HttpError(503, "the router is shutting down", "service_unavailable")
+        body = await request.body()
         try:
             parsed = json.loads(body)
         except (ValueError, RecursionError):
@@ -654,7 +717,8 @@ def build_route_app(
                 "rate_limit_exceeded",
                 headers={"Retry-After": "1"},
             )
-        prompt = await route_prompt(endpoint, parsed, router.codec)
+        tenant = getattr(request.state, "tenant", None)  # set by ApiKeys with a keys file
+        prompt = await route_prompt(endpoint, parsed, router.codec, tenant=tenant)
         rid = uuid.uuid4().hex
         name = await router.choose(rid, prompt)
         return await router.relay(endpoint, path, request, body, name)
@@ -668,3 +732,35 @@ def build_route_app(
         return await generate("chat", "/v1/chat/completions", request)
 
     return app
+
+
+def route_server(app: FastAPI, *, log_level: str = "warning", access_log: bool = False) -> Any:
+    """The uvicorn server for a router app (from `build_route_app`), as ``prefixflight
+    serve``'s: a deadline for request headers, the keep-alive timeout, and a shutdown that
+    first stops accepting, then lets the relayed requests finish for ``shutdown_timeout``."""
+    import uvicorn
+
+    router: _Router = app.state.router
+    config = router.config
+    uv = uvicorn.Config(
+        app,
+        log_level=log_level,
+        access_log=access_log,
+        http=HeaderDeadline.with_timeout(config.client_timeout),
+        timeout_keep_alive=max(1, round(config.keep_alive_timeout)),
+        timeout_graceful_shutdown=max(1, round(config.client_timeout)),
+        lifespan="on",
+    )
+    return GracefulServer(uv, router.drain)
+
+
+def serve(
+    app: FastAPI, sock: socket.socket, *, log_level: str = "warning", access_log: bool = False
+) -> None:
+    """Serve a router app on an already bound socket until SIGINT or SIGTERM, then shut
+    down gracefully (`route_server`) and return normally."""
+    from .http import _sigterm_returns
+
+    server = route_server(app, log_level=log_level, access_log=access_log)
+    with _sigterm_returns():
+        asyncio.run(server.serve(sockets=[sock]))
