@@ -83,7 +83,7 @@ def ensure_venvs(venvs: Path) -> dict[str, Path]:
     """The vLLM venv and one venv per peer router, built when missing (never this project's)."""
     vllm = venvs / "vllm"
     subprocess.run(["bash", str(ROOT / "benchmarks/vllm/setup.sh"), str(vllm)], check=True)
-    out = {"vllm": vllm / "bin/python"}
+    out = {"vllm": vllm}
     for name, spec in PEERS.items():
         venv = venvs / name
         exe = venv / "bin" / name
@@ -142,33 +142,45 @@ def wait_http(proc: Proc, url: str, timeout_s: float, ok: Any = None) -> None:
     raise RuntimeError(f"{proc.name} did not answer {url} in {timeout_s} s; see {proc.log}")
 
 
+def _launcher() -> Any:
+    """benchmarks/vllm/launch.py, the vLLM launcher the tests use too."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("vllm_launch", ROOT / "benchmarks/vllm/launch.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["vllm_launch"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 class Replica:
-    def __init__(self, i: int, python: Path, model: Path, logs: Path) -> None:
+    """One vLLM server from the shared launcher: one core, KV events on (vLLM binds the
+    wildcard endpoints, the routers connect), ``/reset_prefix_cache`` (dev mode), served
+    as ``rep<i>`` and as the shared name the client asks for."""
+
+    def __init__(self, i: int, venv: Path, model: Path, logs: Path) -> None:
         self.name = f"rep{i}"
-        self.port, self.kv_port, self.replay_port = free_port(), free_port(), free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.kv = f"tcp://127.0.0.1:{self.kv_port}"
-        self.replay = f"tcp://127.0.0.1:{self.replay_port}"
-        kv_config = {
-            "enable_kv_cache_events": True,
-            "publisher": "zmq",
-            "endpoint": f"tcp://*:{self.kv_port}",  # vLLM binds wildcards, connects otherwise
-            "replay_endpoint": f"tcp://*:{self.replay_port}",
-        }
-        env = dict(
-            os.environ,
-            VLLM_CPU_OMP_THREADS_BIND=str(i),  # one core each
-            VLLM_CPU_KVCACHE_SPACE="1",
-            VLLM_SERVER_DEV_MODE="1",  # /reset_prefix_cache between routers
+        kv_port, replay_port = free_port(), free_port()
+        self.kv = f"tcp://127.0.0.1:{kv_port}"
+        self.replay = f"tcp://127.0.0.1:{replay_port}"
+        self.server = _launcher().launch(
+            model,
+            venv=venv,
+            cpus=str(i),
+            block_size=BLOCK,
+            dtype="auto",
+            max_model_len=4096,
+            dev_mode=True,
+            kv_events={
+                "publisher": "zmq",
+                "endpoint": f"tcp://*:{kv_port}",
+                "replay_endpoint": f"tcp://*:{replay_port}",
+            },
+            args=["--served-model-name", self.name, MODEL],
+            log_path=logs / f"{self.name}.log",
         )
-        self.argv = [
-            str(python), "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(model), "--served-model-name", self.name, MODEL,
-            "--enable-prompt-tokens-details", "--host", "127.0.0.1", "--port", str(self.port),
-            "--enforce-eager", "--block-size", str(BLOCK), "--max-model-len", "4096",
-            "--kv-events-config", json.dumps(kv_config),
-        ]  # fmt: skip
-        self.proc = Proc(self.name, self.argv, logs / f"{self.name}.log", env)
+        self.url = self.server.base_url
 
     def metrics(self) -> dict[str, float]:
         import httpx
@@ -452,13 +464,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.logs.mkdir(parents=True, exist_ok=True)
     exes = ensure_venvs(args.venvs)
     model = model_dir()
-    replicas = [Replica(i, exes["vllm"], model, args.logs) for i in range(2)]
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # both start side by side
+        replicas = list(pool.map(lambda i: Replica(i, exes["vllm"], model, args.logs), range(2)))
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     raw: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     load: list[float] = []
     try:
-        for r in replicas:
-            wait_http(r.proc, r.url + "/v1/models", 600)
         for rnd in range(args.rounds):
             steps = grpo_steps(rnd, args.steps, args.prompts)
             mix = mix_requests(rnd, args.mix_requests, args.mix_rate)
@@ -481,7 +494,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
     finally:
         for r in replicas:
-            r.proc.stop()
+            r.server.stop()
     keys = {
         k for rs in runs.values() for r in rs for k, v in r.items() if isinstance(v, float | int)
     }

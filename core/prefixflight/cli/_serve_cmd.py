@@ -23,9 +23,17 @@ from ._args import at_least, non_negative_float, positive_float
 from ._bench_cmd import prepare_torch_process
 from ._serve_ray_cmd import add_ray_arguments, run_ray
 
-__all__ = ["add_access_arguments", "api_keys", "kv_publisher", "register", "run"]
+__all__ = [
+    "add_access_arguments",
+    "api_keys",
+    "kv_events_banner",
+    "kv_publisher",
+    "register",
+    "run",
+]
 
 MODELS = ("smollm2", "tiny")
+KV_LOOPBACK = "tcp://127.0.0.1:*"  # a free loopback port
 RELEASE_POLICIES = ("after_prefill", "on_completion", "independent")  # ReleasePolicy's values
 
 
@@ -113,14 +121,39 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--eviction", choices=("lru", "s3fifo"), default="lru", help="default lru")
     p.add_argument(
         "--kv-events",
+        nargs="?",
+        const=KV_LOOPBACK,
         metavar="ENDPOINT",
-        help="publish the prefix cache's KV events on vLLM's ZMQ wire at this endpoint "
-        "(e.g. tcp://*:5557; docs/kv-events.md)",
+        help="publish the prefix cache's KV events on vLLM's ZMQ wire; alone: bind a free "
+        f"loopback port ({KV_LOOPBACK}), printed at start. vLLM's rule decides bind or "
+        "connect: an endpoint with '*' or '::', an ipc:// one or port 0 is bound "
+        "(tcp://*:5557 binds every interface), any other is connected (tcp://HOST:5557 "
+        "sends to a subscriber that binds there). The events carry the token ids of every "
+        "tenant's prompts: see --kv-events-token-ids and docs/kv-events.md",
     )
     p.add_argument(
         "--kv-events-replay",
+        nargs="?",
+        const=KV_LOOPBACK,
         metavar="ENDPOINT",
-        help="with --kv-events: serve replays of missed event batches here (e.g. tcp://*:5558)",
+        help="with --kv-events: answer replay requests for missed batches here, always "
+        "bound (alone: a free loopback port); anyone who reaches it can read the buffered "
+        "events",
+    )
+    p.add_argument(
+        "--kv-events-encoding",
+        choices=("map", "array"),
+        default="map",
+        help="with --kv-events: map is vLLM 0.32's form (tagged maps); array is the "
+        "positional form of vLLM before PR #42892, for older consumers",
+    )
+    p.add_argument(
+        "--kv-events-token-ids",
+        choices=("on", "off"),
+        default="on",
+        help="with --kv-events: off sends BlockStored events without token ids (block "
+        "hashes only): subscribers then key blocks by this server's hashes, and an indexer "
+        "that rebuilds keys from tokens (llm-d's) cannot",
     )
     p.add_argument(
         "--kv-events-pod",
@@ -196,20 +229,51 @@ def add_access_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def kv_publisher(args: argparse.Namespace, model: str) -> Any:
-    """The `KVEventPublisher` for ``--kv-events``, on topic ``kv@<pod>@<model>``."""
+    """The `KVEventPublisher` for ``--kv-events``, on topic ``kv@<pod>@<model>``; says on
+    stderr where it publishes and whether it bound or connected."""
     from prefixflight.serve.kv_events import KVEventPublisher, kv_topic
 
     pod = args.kv_events_pod or socket.gethostname()
     try:
-        return KVEventPublisher(
+        pub = KVEventPublisher(
             args.kv_events,
             topic=kv_topic(pod, model),
             replay_endpoint=args.kv_events_replay,
+            encoding=args.kv_events_encoding,
+            token_ids=args.kv_events_token_ids == "on",
         )
     except UsageError as exc:
         raise UsageError(f"--kv-events {args.kv_events}: {exc}") from None
     except OSError as exc:  # zmq.ZMQError is an OSError: the address cannot be used
         raise UsageError(f"--kv-events {args.kv_events}: {exc}") from None
+    for line in kv_events_banner(pub, args.kv_events_encoding, args.kv_events_token_ids):
+        print(f"prefixflight serve: {line}", file=sys.stderr, flush=True)
+    return pub
+
+
+def kv_events_banner(pub: Any, encoding: str, token_ids: str) -> list[str]:
+    """What the server says about its KV-event sockets: bound or connected, and where."""
+    from prefixflight.serve.kv_events._endpoints import is_local
+
+    what = f"{encoding} encoding, token ids {token_ids}"
+    if pub.binds:
+        lines = [f"KV events ({what}) bound at {pub.endpoint}: subscribers connect there"]
+    else:
+        lines = [
+            f"KV events ({what}) connect to {pub.endpoint} (vLLM's rule for a host:port "
+            "endpoint): a subscriber must bind there; to bind, give tcp://HOST:* (a free "
+            "port) or ipc://PATH"
+        ]
+    if pub.replay_endpoint is not None:
+        lines.append(f"KV-event replay bound at {pub.replay_endpoint}")
+    bound = [pub.endpoint] if pub.binds else []
+    exposed = [e for e in (*bound, pub.replay_endpoint) if e is not None and not is_local(e)]
+    if exposed and token_ids == "on":
+        lines.append(
+            f"warning: {' and '.join(exposed)} can be reached from other hosts, and the "
+            "events carry every tenant's token ids (--kv-events-token-ids off sends none)"
+        )
+    return lines
 
 
 def api_keys(args: argparse.Namespace) -> dict[str, str | None]:
@@ -289,8 +353,13 @@ def run(args: argparse.Namespace) -> int:
     for flag, value in kv_flags:
         if value is not None and "://" not in value:
             parser.error(f"{flag} must be a ZMQ address like tcp://*:5557, got {value!r}")
-    if args.kv_events is None and (args.kv_events_replay or args.kv_events_pod):
-        parser.error("--kv-events-replay and --kv-events-pod need --kv-events")
+    kv_options = args.kv_events_replay or args.kv_events_pod
+    kv_options = kv_options or args.kv_events_encoding != "map" or args.kv_events_token_ids != "on"
+    if args.kv_events is None and kv_options:
+        parser.error(
+            "--kv-events-replay, --kv-events-encoding, --kv-events-token-ids and "
+            "--kv-events-pod need --kv-events"
+        )
     keys = api_keys(args)  # a bad keys file fails before any model loads
     http, backend = _imports()
     from prefixflight.core import ReleasePolicy
