@@ -182,6 +182,7 @@ def run_process(cmd: list[str], path: str | None) -> tuple[float, float, dict[st
     """Wall seconds, child CPU seconds (user + sys) and the parsed JSON stdout."""
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)  # bytecode cached, as in an installed package
     if path is not None:
         env["PYTHONPATH"] = path
     before = resource.getrusage(resource.RUSAGE_CHILDREN)

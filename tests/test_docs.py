@@ -52,7 +52,9 @@ def test_embedding_page_runs_and_prints_what_it_shows() -> None:
     run_blocks(page, found)  # every block, in order, in one namespace
 
 
-@pytest.mark.parametrize("name", ["README.md", "docs/flight.md", "docs/router.md"])
+@pytest.mark.parametrize(
+    "name", ["README.md", "docs/cache.md", "docs/flight.md", "docs/router.md"]
+)
 def test_examples_with_shown_output_print_it(name: str) -> None:
     page = ROOT / name
     found = [(code, out) for code, out in blocks(page) if out is not None]

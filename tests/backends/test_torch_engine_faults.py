@@ -27,7 +27,7 @@ from prefixflight.backends.torch import (  # noqa: E402
 from prefixflight.core import UsageError  # noqa: E402
 
 from .conftest import PAGE, engine_for, greedy_reference, prompt_of, run  # noqa: E402
-from .test_torch_engine_defects import assert_nothing_held  # noqa: E402
+from .test_torch_engine_lifecycle import assert_nothing_held  # noqa: E402
 
 pytestmark = pytest.mark.torch
 

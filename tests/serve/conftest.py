@@ -43,22 +43,10 @@ class CharCodec:
 
 
 def tiny_llama(seed: int = 0) -> Any:
-    """A 2-layer random-weight Llama (vocab 512), as in the backend tests."""
-    import torch
-    import transformers
+    """The 2-layer random-weight Llama of the backend tests (`tiny_model`)."""
+    from prefixflight.backends.torch import tiny_model
 
-    config = transformers.LlamaConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(seed)
-    model: Any = transformers.LlamaForCausalLM(config)
-    return model.eval()
+    return tiny_model("llama", seed)
 
 
 class ServerThread:

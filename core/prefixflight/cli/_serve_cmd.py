@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from prefixflight.core import UsageError
+from prefixflight.core import ReleasePolicy, UsageError
 
 from ._args import at_least, non_negative_float, positive_float
 from ._bench_cmd import prepare_torch_process
@@ -34,7 +34,7 @@ __all__ = [
 
 MODELS = ("smollm2", "tiny")
 KV_LOOPBACK = "tcp://127.0.0.1:*"  # a free loopback port
-RELEASE_POLICIES = ("after_prefill", "on_completion", "independent")  # ReleasePolicy's values
+RELEASE_POLICIES = tuple(p.value for p in ReleasePolicy)
 
 
 def _port(value: str) -> int:
@@ -308,14 +308,9 @@ def api_keys(args: argparse.Namespace) -> dict[str, str | None]:
 
 def _tiny_model() -> tuple[Any, str]:
     """The random-weight 2-layer Llama of the Ray replicas (same config, seed 0)."""
-    import torch
-    import transformers
+    from prefixflight.backends.torch import tiny_model
 
-    from prefixflight.serve.ray import TINY_LLAMA
-
-    torch.manual_seed(0)
-    model: Any = transformers.LlamaForCausalLM(transformers.LlamaConfig(**dict(TINY_LLAMA)))
-    return model.eval(), "tiny-llama"
+    return tiny_model("llama", seed=0), "tiny-llama"
 
 
 def _imports() -> tuple[Any, Any]:

@@ -49,7 +49,7 @@ from prefixflight.core import (
     TraceRecord,
     UsageError,
 )
-from prefixflight.core._validate import check_int
+from prefixflight.core._validate import check_int, check_number
 from prefixflight.core.routing import Rng
 
 __all__ = [
@@ -64,16 +64,10 @@ __all__ = [
 
 
 def _positive(name: str, value: object, *, zero_ok: bool = False) -> None:
-    ok = (
-        not isinstance(value, bool)
-        and isinstance(value, (int, float))
-        and math.isfinite(value)
-        and (value >= 0 if zero_ok else value > 0)
-    )
-    if not ok:
-        raise ConfigError(
-            f"{name} must be a finite number {'>= 0' if zero_ok else '> 0'}, got {value!r}"
-        )
+    if zero_ok:
+        check_number(name, value, minimum=0, finite=True)
+    else:
+        check_number(name, value, above=0, finite=True)
 
 
 def _span(name: str, value: object, minimum: int) -> tuple[int, int]:

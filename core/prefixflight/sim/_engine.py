@@ -47,14 +47,10 @@ from prefixflight.core import (
     StepResult,
     UsageError,
 )
+from prefixflight.core._validate import check_ratio, is_int, is_real, number_field
 from prefixflight.core.flight import FlightStats, Role, SchedulerStats
 
 __all__ = ["Arrival", "CostModel", "SimulationResult", "simulate_engine"]
-
-
-def _non_negative(_inst: object, a: attrs.Attribute[float], value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-        raise ConfigError(f"{a.name} must be a number >= 0, got {value!r}")
 
 
 @final
@@ -62,9 +58,9 @@ def _non_negative(_inst: object, a: attrs.Attribute[float], value: object) -> No
 class CostModel:
     """Seconds per step: a fixed overhead, plus prefill tokens, plus decodes (see module)."""
 
-    step_overhead: float = attrs.field(validator=_non_negative)
-    prefill_per_token: float = attrs.field(validator=_non_negative)
-    decode_per_request: float = attrs.field(validator=_non_negative)
+    step_overhead: float = attrs.field(validator=number_field(minimum=0))
+    prefill_per_token: float = attrs.field(validator=number_field(minimum=0))
+    decode_per_request: float = attrs.field(validator=number_field(minimum=0))
 
     @classmethod
     def calibrated(
@@ -96,8 +92,7 @@ class CostModel:
             per_request = (decode_batch8 - decode_batch1) / 7
             overhead = decode_batch1 - per_request
         else:
-            if not 0.0 <= overhead_share <= 1.0:
-                raise ConfigError(f"overhead_share must be in [0, 1], got {overhead_share!r}")
+            check_ratio("overhead_share", overhead_share)
             overhead = decode_batch1 * overhead_share
             per_request = decode_batch1 - overhead
         return cls(
@@ -130,9 +125,9 @@ class CostModel:
         rows = []
         for sample in samples:
             n, k, t = sample
-            if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+            if not is_real(t) or not t > 0:
                 raise ConfigError(f"a sample's time must be a number > 0, got {sample!r}")
-            if not (type(n) is int and type(k) is int and n >= 0 and k >= 0):
+            if not (is_int(n) and is_int(k) and n >= 0 and k >= 0):
                 raise ConfigError(
                     f"a sample's token and decode counts must be ints >= 0, got {sample!r}"
                 )
