@@ -23,8 +23,8 @@ import sys
 from typing import Any
 
 import msgspec
-import vllm  # type: ignore[import-not-found]
-from vllm.distributed.kv_events import (  # type: ignore[import-not-found]
+import vllm
+from vllm.distributed.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

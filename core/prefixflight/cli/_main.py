@@ -34,6 +34,7 @@ COMMANDS = {
     "demo": "_demo_cmd",
     "serve": "_serve_cmd",
     "route": "_route_cmd",
+    "conform": "_conform_cmd",
 }
 
 
