@@ -254,8 +254,8 @@ def test_a_client_that_leaves_mid_stream_aborts_the_request_upstream(
     }
     with httpx.stream("POST", router.base_url + "/v1/completions", json=body, timeout=30) as r:
         assert r.status_code == 200
-        next(r.iter_raw())  # the first chunk arrived: the request runs on a backend
-        assert any(b.unfinished() for b in backends)
+        first = next(r.iter_raw())  # the first chunk arrived: the request runs on a backend
+        assert any(b.unfinished() for b in backends), first
     until(lambda: not any(b.unfinished() for b in backends), "the backend to abort it")
     until(lambda: router_state(router).total_in_flight == 0, "the router's count")
 
