@@ -1,9 +1,11 @@
 """The paged attention path against the gather path (the reference).
 
 Two runners over two pools run the same plans on the same model: ``attention="paged"``
-(keys and values written and read inside the model's attention, no ``DynamicCache``) and
-``attention="gather"`` (each row's context gathered into a ``DynamicCache`` first). Every
-step's sampled tokens must be identical and every sampled row's logits within 1e-4.
+(keys and values written and read inside each attention layer, no ``DynamicCache``; the
+runner's fused forward, or with ``fused=False`` the model's own modules) and
+``attention="gather"`` (each row's context gathered into a ``DynamicCache`` first, the
+model's own forward). Every step's sampled tokens must be identical and every sampled row's
+logits within 1e-4 (fp32).
 """
 
 from __future__ import annotations
@@ -29,10 +31,16 @@ VOCAB = 512
 
 
 def runners(
-    model: Any, *, num_pages: int, page_size: int, long_chunk: int = 64, device: str = "cpu"
+    model: Any,
+    *,
+    num_pages: int,
+    page_size: int,
+    long_chunk: int = 64,
+    device: str = "cpu",
+    fused: bool = True,
 ) -> tuple[TransformersRunner, TransformersRunner]:
     """(paged, gather) runners with pools of their own, fp32."""
-    return tuple(  # type: ignore[return-value]
+    paged, gather = (
         TransformersRunner.for_model(
             model,
             num_pages=num_pages,
@@ -41,9 +49,12 @@ def runners(
             dtype="float32",
             long_chunk=long_chunk,
             attention=attention,
+            fused=fused,
         )
         for attention in ("paged", "gather")
     )
+    assert paged.fused == fused
+    return paged, gather
 
 
 def run_mixed(
@@ -55,6 +66,7 @@ def run_mixed(
     new_tokens: int,
     rng: random.Random,
     device: str = "cpu",
+    fused: bool = True,
 ) -> dict[int, list[int]]:
     """Run both paths over the same mixed plans; return the greedy tokens per request.
 
@@ -71,6 +83,7 @@ def run_mixed(
         page_size=ps,
         long_chunk=long_chunk,
         device=device,
+        fused=fused,
     )
     free = list(range(1, per * len(prompts) + 1))
     rng.shuffle(free)
@@ -145,6 +158,7 @@ prompt_st = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=40).map(tup
     long_chunk=st.integers(1, 24),
     new_tokens=st.integers(1, 5),
     seed=st.integers(0, 2**16),
+    fused=st.booleans(),
 )
 def test_paged_equals_gather_on_mixed_steps(
     tiny_model: Any,
@@ -154,6 +168,7 @@ def test_paged_equals_gather_on_mixed_steps(
     long_chunk: int,
     new_tokens: int,
     seed: int,
+    fused: bool,
 ) -> None:
     prompts = [shared + t for t in tails]
     out = run_mixed(
@@ -163,6 +178,7 @@ def test_paged_equals_gather_on_mixed_steps(
         long_chunk=long_chunk,
         new_tokens=new_tokens,
         rng=random.Random(seed),
+        fused=fused,
     )
     assert all(len(toks) == new_tokens for toks in out.values())
 
@@ -177,7 +193,8 @@ def test_paged_is_the_default_and_the_choice_is_checked(tiny_model: Any) -> None
 def test_plain_forward_on_a_paged_model_is_plain_sdpa(tiny_factory: Any) -> None:
     """Registering the paged function leaves the model usable with its own cache."""
     plain, paged = tiny_factory("llama", 3), tiny_factory("llama", 3)
-    TransformersRunner.for_model(paged, num_pages=4, device="cpu")  # switches its attention
+    # the model's own modules with paged attention: switches its attention implementation
+    TransformersRunner.for_model(paged, num_pages=4, device="cpu", fused=False)
     assert paged.config._attn_implementation != plain.config._attn_implementation
     ids = torch.tensor([[5, 9, 13, 2, 7, 7, 1]])
     with torch.inference_mode():
