@@ -116,12 +116,17 @@ def _cat_bias(*linears: Any) -> torch.Tensor | None:
 class _Layer:
     __slots__ = ("down", "eps1", "eps2", "gate_up", "norm1", "norm2", "o", "qkv")
 
-    def __init__(self, layer: Any) -> None:
+    def __init__(self, layer: Any, q_scale: float) -> None:
         a, m = layer.self_attn, layer.mlp
         with torch.no_grad():
+            # the attention's 1/sqrt(head_dim) folded into the query rows (rotary embedding
+            # is linear, so scaling before it is scaling after; exact for a power of two)
+            bias = _cat_bias(a.q_proj, a.k_proj, a.v_proj)
+            rows = a.q_proj.weight.shape[0]
+            if bias is not None:
+                bias[:rows] *= q_scale
             self.qkv = _Linear(
-                torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
-                _cat_bias(a.q_proj, a.k_proj, a.v_proj),
+                torch.cat([a.q_proj.weight * q_scale, a.k_proj.weight, a.v_proj.weight]), bias
             )
             self.o = _Linear(a.o_proj.weight, a.o_proj.bias)
             self.gate_up = _Linear(
@@ -136,9 +141,9 @@ class _Layer:
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' ``LlamaRMSNorm``: statistics in fp32, the weight product in x's dtype."""
-    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
-    return weight * normed.to(x.dtype)
+    """transformers' ``LlamaRMSNorm`` as one fused operation (statistics in fp32; in bf16 the
+    weight product is rounded once instead of twice)."""
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 @final
@@ -170,7 +175,7 @@ class FusedForward:
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.heads)
         self.intermediate = int(config.intermediate_size)
         self.scale = float(inner.layers[0].self_attn.scaling)
-        self.layers = [_Layer(layer) for layer in inner.layers]
+        self.layers = [_Layer(layer, self.scale) for layer in inner.layers]
         self.embed = inner.embed_tokens.weight.detach()
         self.norm = inner.norm.weight.detach()
         self.eps = float(inner.norm.variance_epsilon)
@@ -184,20 +189,21 @@ class FusedForward:
         t = ids.shape[0]
         x = F.embedding(ids, self.embed)
         cos, sin = self.rotary(x, step.positions.unsqueeze(0))
-        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [T, 1, D]
         half = d // 2
+        # rotate_half(x) * sin == flip(x's halves) * sin with its first half negated
+        cos = cos[0].unsqueeze(1)  # [T, 1, D]
+        sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1).unsqueeze(1)
         qk_width = (h + g) * d
         inter = self.intermediate
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(_rms_norm(x, layer.norm1, layer.eps1))
             qk = qkv[:, :qk_width].view(t, h + g, d)
-            rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
-            qk = qk * cos + rotated * sin
+            flipped = qk.view(t, h + g, 2, half).flip(2).view(t, h + g, d)
+            qk = torch.addcmul(qk * cos, flipped, sin)
             query = qk[:, :h]
             key = qk[:, h:]
             value = qkv[:, qk_width:].view(t, g, d)
-            out = step.attend(i, step.pad(query), key, value, self.scale)
-            out = step.unpad(out).reshape(t, h * d)
+            out = step.attend(i, query, key, value, 1.0).reshape(t, h * d)
             x = x + layer.o(out)
             gate_up = layer.gate_up(_rms_norm(x, layer.norm2, layer.eps2))
             x = x + layer.down(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])

@@ -54,42 +54,123 @@ BLOCK = 256
 
 
 @final
+class _Lone:
+    """A row attended on its own: a long chunk (or the step's only row), causal blocks."""
+
+    __slots__ = ("begin", "context", "end", "pages", "span", "start")
+
+    def __init__(self, begin: int, end: int, start: int) -> None:
+        self.begin, self.end, self.start = begin, end, start
+        self.context = 0  # keys read from the pool: start + n (0: only the new ones)
+        self.span: int | None = None  # first slot of consecutive pages
+        self.pages: torch.Tensor | None = None  # else the pages to gather
+
+
+@final
+class _Batch:
+    """Rows attended together: their queries padded to ``[rows, q]`` (right-aligned), one
+    page-granular gather, one batched product, an additive mask."""
+
+    __slots__ = ("allowed", "bias", "index", "pages", "q", "real", "rows")
+
+    def __init__(
+        self,
+        rows: Sequence[tuple[int, int]],
+        tables: torch.Tensor,
+        index: torch.Tensor | None,
+        page_size: int,
+        dev: torch.device,
+    ) -> None:
+        self.rows = len(rows)
+        self.q = q = max(n for _, n in rows)
+        self.index = index  # the rows' tokens among the step's (None: all of them, in order)
+        self.pages = tables.reshape(-1).to(dev)
+        self.real: torch.Tensor | None = None
+        if any(n != q for _, n in rows):
+            flat: list[int] = []
+            for i, (_, n) in enumerate(rows):
+                flat.extend(range(i * q + q - n, (i + 1) * q))
+            self.real = torch.tensor(flat, dtype=torch.long, device=dev)
+        # query positions [rows, q]; a padding query gets position 0 (it sees key 0 of its
+        # row's first page, so no row of scores is empty; its output is dropped)
+        qpos = torch.zeros((self.rows, q), dtype=torch.long)
+        for i, (start, n) in enumerate(rows):
+            qpos[i, q - n :] = torch.arange(start, start + n)
+        keys = torch.arange(tables.shape[1] * page_size)
+        self.allowed = (keys.view(1, 1, -1) <= qpos.unsqueeze(-1)).to(dev)  # [rows, q, W]
+        self.bias: dict[torch.dtype, torch.Tensor] = {}
+
+    def bias_of(self, dtype: torch.dtype) -> torch.Tensor:
+        """The additive mask ``[1, rows, 1, q, W]`` in ``dtype`` (0 or -inf), built once."""
+        bias = self.bias.get(dtype)
+        if bias is None:
+            bias = torch.zeros(self.allowed.shape, dtype=dtype, device=self.allowed.device)
+            bias.masked_fill_(~self.allowed, float("-inf"))
+            bias = self.bias[dtype] = bias.unsqueeze(0).unsqueeze(2)
+        return bias
+
+    def pad(self, flat: torch.Tensor) -> torch.Tensor:
+        return _pad(flat, self.rows, self.q, self.real)
+
+    def unpad(self, padded: torch.Tensor) -> torch.Tensor:
+        return _unpad(padded, self.rows, self.q, self.real)
+
+
+def _pad(flat: torch.Tensor, rows: int, q: int, real: torch.Tensor | None) -> torch.Tensor:
+    if real is None:
+        return flat.view(rows, q, *flat.shape[1:])
+    out = flat.new_zeros((rows * q, *flat.shape[1:]))
+    return out.index_copy_(0, real, flat).view(rows, q, *flat.shape[1:])
+
+
+def _unpad(padded: torch.Tensor, rows: int, q: int, real: torch.Tensor | None) -> torch.Tensor:
+    flat = padded.reshape(rows * q, *padded.shape[2:])
+    return flat if real is None else flat.index_select(0, real)
+
+
+@final
 class PagedStep:
     """One forward pass over rows of a `PagedKVPool` (see the module docstring).
 
     Built from ``rows``, each ``(start, n, pages)``: a chunk of ``n`` new tokens at positions
-    ``start ..`` under the page table ``pages``; `tokens` is their total (``T``), in row
-    order. Queries are padded to ``[rows, q, ...]`` (each row's chunk right-aligned) only
-    when rows differ in length; `real` selects the real ones from the padded ``rows * q``.
+    ``start ..`` under the page table ``pages``; `tokens` is their total (``T``), flattened
+    in row order. Rows of ``alone`` tokens or more (and the only row of a one-row pass) are
+    attended on their own, in causal blocks; all other rows (decodes, short chunks)
+    together, padded to the longest of them.
+
+    For a forward pass over padded inputs (the model's own modules), `padded_inputs`,
+    `pad` and `unpad` convert between the flattened tokens and ``[rows, q]`` with every
+    row's chunk right-aligned (`real` selects the real tokens of the padded ``rows * q``).
     """
 
     __slots__ = (
-        "_allowed",
-        "_bias",
-        "_dev",
+        "_lone",
         "_masks",
-        "context",
+        "_together",
         "last",
-        "pages",
         "pool",
         "positions",
         "q",
         "real",
         "rows",
-        "span",
-        "start",
         "tokens",
         "write",
     )
 
-    def __init__(self, pool: PagedKVPool, rows: Sequence[tuple[int, int, Sequence[int]]]) -> None:
+    def __init__(
+        self,
+        pool: PagedKVPool,
+        rows: Sequence[tuple[int, int, Sequence[int]]],
+        *,
+        alone: int = 64,
+    ) -> None:
         self.pool = pool
-        dev = self._dev = pool.device
+        dev = pool.device
         ps = pool.page_size
         self.rows = len(rows)
         lengths = [n for _, n, _ in rows]
         self.tokens = sum(lengths)
-        self.q = max(lengths)
+        self.q = q = max(lengths)
         ends = [start + n for start, n, _ in rows]
         need = [-(-e // ps) for e in ends]
         width = max(need)
@@ -101,55 +182,57 @@ class PagedStep:
         row_of = torch.repeat_interleave(torch.arange(self.rows), torch.tensor(lengths))
         self.positions = pos.to(dev)
         self.write = (tables[row_of, pos // ps] * ps + pos % ps).to(dev)
-        self.last = (torch.tensor(lengths).cumsum(0) - 1).to(dev)  # each row's last token
-        self._bias: dict[torch.dtype, torch.Tensor] = {}
-        self._masks: dict[int, torch.Tensor] = {}
-        self._allowed: torch.Tensor | None = None
+        offsets = [0, *itertools.accumulate(lengths)]
+        self.last = torch.tensor(offsets[1:], device=dev) - 1  # each row's last token
         self.real: torch.Tensor | None = None
-        self.span: int | None = None  # first slot of a lone row's consecutive pages
-        self.pages: torch.Tensor | None = None
-        self.start = rows[0][0] if self.rows == 1 else 0
-        self.context = 0  # a lone row's keys: start + n (0: only the new ones)
-        if self.rows == 1:
-            if self.start:
-                self.context = ends[0]
-                used = table[0]
-                if all(b == a + 1 for a, b in itertools.pairwise(used)):
-                    self.span = used[0] * ps
-                else:
-                    self.pages = tables[0].to(dev)
-            return
-        self.pages = tables.view(-1).to(dev)
-        q = self.q
         if any(n != q for n in lengths):
             flat: list[int] = []
             for i, n in enumerate(lengths):
                 flat.extend(range(i * q + q - n, (i + 1) * q))
             self.real = torch.tensor(flat, dtype=torch.long, device=dev)
-        # query positions [rows, q], right-aligned; a padding query gets position 0 (it sees
-        # key 0 of its row's first page, so no row of scores is empty; its output is dropped)
-        qpos = torch.zeros((self.rows, q), dtype=torch.long)
+        self._masks: dict[int, torch.Tensor] = {}
+        self._lone: list[_Lone] = []
+        together: list[int] = []
         for i, (start, n, _) in enumerate(rows):
-            qpos[i, q - n :] = torch.arange(start, start + n)
-        keys = torch.arange(width * ps)
-        self._allowed = (keys.view(1, 1, -1) <= qpos.unsqueeze(-1)).to(dev)  # [rows, q, W]
+            if self.rows > 1 and (n < alone or n == 1):
+                together.append(i)
+                continue
+            lone = _Lone(offsets[i], offsets[i + 1], start)
+            if start:
+                lone.context = ends[i]
+                used = table[i][: need[i]]
+                if all(b == a + 1 for a, b in itertools.pairwise(used)):
+                    lone.span = used[0] * ps
+                else:
+                    lone.pages = tables[i, : need[i]].to(dev)
+            self._lone.append(lone)
+        self._together: _Batch | None = None
+        if together:
+            index = None
+            if len(together) < self.rows:
+                index = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in together])
+                index = index.to(dev)
+            keep = max(need[i] for i in together)
+            self._together = _Batch(
+                [(rows[i][0], rows[i][1]) for i in together],
+                tables[together][:, :keep],
+                index,
+                ps,
+                dev,
+            )
 
-    # -- helpers for the forward passes ----------------------------------------------------
+    # -- helpers for a forward pass over padded inputs ------------------------------------
     def padded_inputs(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``ids`` and positions as ``[rows, q]`` (right-aligned, zero padding)."""
         return self.pad(ids), self.pad(self.positions)
 
     def pad(self, flat: torch.Tensor) -> torch.Tensor:
-        """The real tokens' ``[T, ...]`` -> ``[rows, q, ...]`` (right-aligned, zero padding)."""
-        if self.real is None:
-            return flat.view(self.rows, self.q, *flat.shape[1:])
-        out = flat.new_zeros((self.rows * self.q, *flat.shape[1:]))
-        return out.index_copy_(0, self.real, flat).view(self.rows, self.q, *flat.shape[1:])
+        """The tokens' ``[T, ...]`` -> ``[rows, q, ...]`` (right-aligned, zero padding)."""
+        return _pad(flat, self.rows, self.q, self.real)
 
     def unpad(self, padded: torch.Tensor) -> torch.Tensor:
         """``[rows, q, ...]`` -> the real tokens' ``[T, ...]``."""
-        flat = padded.reshape(self.rows * self.q, *padded.shape[2:])
-        return flat if self.real is None else flat.index_select(0, self.real)
+        return _unpad(padded, self.rows, self.q, self.real)
 
     # -- attention -------------------------------------------------------------------------
     def attend(
@@ -160,72 +243,92 @@ class PagedStep:
         value: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
-        """Write ``key``/``value`` (``[T, kv_heads, D]``) into the pool, attend ``query``.
-
-        ``query`` is ``[rows, q, heads, D]`` (padded as `padded_inputs`); returns the
-        attention output in the same shape.
-        """
+        """Write ``key``/``value`` (``[T, kv_heads, D]``) into the pool, attend ``query``
+        (``[T, heads, D]``); returns the attention output ``[T, heads, D]``."""
         pool = self.pool
         k_pool, v_pool = pool.layer_views(layer)  # [kv_heads, slots, D]
         k_pool.index_copy_(1, self.write, key.transpose(0, 1).to(pool.dtype))
         v_pool.index_copy_(1, self.write, value.transpose(0, 1).to(pool.dtype))
-        rows, q, heads, dim = query.shape
-        kv_heads = key.shape[1]
+        together = self._together
+        if together is not None and not self._lone:
+            return self._batched(together, query, k_pool, v_pool, scale)
+        if together is None and len(self._lone) == 1:
+            return self._alone(self._lone[0], query, key, value, k_pool, v_pool, scale)
+        out = torch.empty_like(query)
+        for lone in self._lone:
+            b, e = lone.begin, lone.end
+            out[b:e] = self._alone(lone, query[b:e], key[b:e], value[b:e], k_pool, v_pool, scale)
+        if together is not None:
+            assert together.index is not None
+            part = self._batched(
+                together, query.index_select(0, together.index), k_pool, v_pool, scale
+            )
+            out.index_copy_(0, together.index, part)
+        return out
+
+    def _alone(
+        self,
+        lone: _Lone,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
         dt = query.dtype
-        if self.rows == 1:
-            if not self.context:
-                keys, values = key.transpose(0, 1), value.transpose(0, 1)  # [kv_heads, n, D]
-            elif self.span is not None:
-                end = self.span + self.context
-                keys, values = k_pool[:, self.span : end], v_pool[:, self.span : end]
-            else:
-                assert self.pages is not None
-                keys = self._gather(k_pool)[:, : self.context]
-                values = self._gather(v_pool)[:, : self.context]
-            out = self._causal(query[0], keys.to(dt), values.to(dt), scale)
-            return out.unsqueeze(0)
-        # several rows: [kv_heads, rows, W, D] from their pages, one product over all rows
+        if not lone.context:
+            keys, values = key.transpose(0, 1), value.transpose(0, 1)  # [kv_heads, n, D]
+        elif lone.span is not None:
+            end = lone.span + lone.context
+            keys, values = k_pool[:, lone.span : end], v_pool[:, lone.span : end]
+        else:
+            assert lone.pages is not None
+            keys = _gather(k_pool, lone.pages, self.pool.page_size)[:, : lone.context]
+            values = _gather(v_pool, lone.pages, self.pool.page_size)[:, : lone.context]
+        return self._causal(query, keys.to(dt), values.to(dt), lone.start, scale)
+
+    def _batched(
+        self,
+        batch: _Batch,
+        query: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """Several rows: ``[kv_heads, rows, W, D]`` from their pages, one product over all
+        rows, each KV head's query heads folded into its rows."""
+        _, heads, dim = query.shape
+        kv_heads = k_pool.shape[0]
         group = heads // kv_heads
-        assert self._allowed is not None
-        width = self._allowed.shape[-1]
-        keys = self._gather(k_pool).view(kv_heads * rows, width, dim).to(dt)
-        values = self._gather(v_pool).view(kv_heads * rows, width, dim).to(dt)
-        qg = (query * scale).reshape(rows, q, kv_heads, group, dim).permute(2, 0, 3, 1, 4)
+        rows, q = batch.rows, batch.q
+        dt = query.dtype
+        ps = self.pool.page_size
+        width = batch.allowed.shape[-1]
+        keys = _gather(k_pool, batch.pages, ps).view(kv_heads * rows, width, dim).to(dt)
+        values = _gather(v_pool, batch.pages, ps).view(kv_heads * rows, width, dim).to(dt)
+        qp = batch.pad(query * scale if scale != 1.0 else query)  # [rows, q, heads, D]
+        qg = qp.view(rows, q, kv_heads, group, dim).permute(2, 0, 3, 1, 4)
         scores = torch.bmm(qg.reshape(kv_heads * rows, group * q, dim), keys.transpose(1, 2))
-        scores.view(kv_heads, rows, group, q, width).add_(self._bias_of(dt))
+        scores.view(kv_heads, rows, group, q, width).add_(batch.bias_of(dt))
         probs = torch.softmax(scores, dim=-1)
         out = torch.bmm(probs, values).view(kv_heads, rows, group, q, dim)
-        return out.permute(1, 3, 0, 2, 4).reshape(rows, q, heads, dim)
-
-    def _gather(self, pool_view: torch.Tensor) -> torch.Tensor:
-        """This step's pages of one layer's ``[kv_heads, slots, D]``: ``[kv_heads, n, D]``."""
-        assert self.pages is not None
-        kv_heads, slots, dim = pool_view.shape
-        ps = self.pool.page_size
-        paged = pool_view.view(kv_heads, slots // ps, ps, dim).index_select(1, self.pages)
-        return paged.view(kv_heads, -1, dim)
-
-    def _bias_of(self, dtype: torch.dtype) -> torch.Tensor:
-        """The additive mask ``[1, rows, 1, q, W]`` in ``dtype`` (0 or -inf), built once."""
-        bias = self._bias.get(dtype)
-        if bias is None:
-            allowed = self._allowed
-            assert allowed is not None
-            bias = torch.zeros(allowed.shape, dtype=dtype, device=self._dev)
-            bias.masked_fill_(~allowed, float("-inf"))
-            bias = self._bias[dtype] = bias.unsqueeze(0).unsqueeze(2)
-        return bias
+        return batch.unpad(out.permute(1, 3, 0, 2, 4).reshape(rows, q, heads, dim))
 
     def _causal(
-        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
+        self,
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        start: int,
+        scale: float,
     ) -> torch.Tensor:
-        """A lone row: ``query [n, heads, D]`` at positions ``start ..`` over ``keys`` and
+        """One row: ``query [n, heads, D]`` at positions ``start ..`` over ``keys`` and
         ``values [kv_heads, start + n, D]``; causal, in blocks of `BLOCK` query rows."""
         n, heads, dim = query.shape
         kv_heads = keys.shape[0]
         group = heads // kv_heads
-        start = self.start
-        qs = (query * scale).reshape(n, kv_heads, group, dim)
+        qs = (query * scale if scale != 1.0 else query).reshape(n, kv_heads, group, dim)
         if n == 1:  # a decode: every key is visible
             qb = qs.reshape(kv_heads, group, dim)
             probs = torch.softmax(torch.bmm(qb, keys.transpose(1, 2)), dim=-1)
@@ -238,18 +341,25 @@ class PagedStep:
             scores = torch.bmm(qb, keys[:, :kw].transpose(1, 2))  # [kv_heads, group * c, kw]
             # the block's own keys are the last c columns: query i sees the first i + 1
             own = scores.view(kv_heads, group, c, kw)[..., kw - c :]
-            own.masked_fill_(self._upper(c), float("-inf"))
+            own.masked_fill_(self._upper(c, query.device), float("-inf"))
             probs = torch.softmax(scores, dim=-1)
             block = torch.bmm(probs, values[:, :kw]).view(kv_heads, group, c, dim)
             out[s0:e] = block.permute(2, 0, 1, 3)
         return out.view(n, heads, dim)
 
-    def _upper(self, c: int) -> torch.Tensor:
+    def _upper(self, c: int, dev: torch.device) -> torch.Tensor:
         """``[c, c]`` strictly upper triangle (True = masked), built once per size."""
         mask = self._masks.get(c)
         if mask is None:
-            mask = self._masks[c] = torch.ones((c, c), dtype=torch.bool, device=self._dev).triu(1)
+            mask = self._masks[c] = torch.ones((c, c), dtype=torch.bool, device=dev).triu(1)
         return mask
+
+
+def _gather(pool_view: torch.Tensor, pages: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Whole pages of one layer's ``[kv_heads, slots, D]``: ``[kv_heads, pages * size, D]``."""
+    kv_heads, slots, dim = pool_view.shape
+    paged = pool_view.view(kv_heads, slots // page_size, page_size, dim)
+    return paged.index_select(1, pages).view(kv_heads, -1, dim)
 
 
 def paged_attention_forward(
@@ -268,13 +378,12 @@ def paged_attention_forward(
         )
         return out
     assert isinstance(step, PagedStep)
-    # [rows, heads, q, D] padded -> the real tokens' keys and values, [T, kv_heads, D]
-    k = step.unpad(key.transpose(1, 2))
-    v = step.unpad(value.transpose(1, 2))
+    # [rows, heads, q, D] padded -> the real tokens' [T, heads, D], and back
+    q, k, v = (step.unpad(x.transpose(1, 2)) for x in (query, key, value))
     scale = kwargs.get("scaling")
     if scale is None:
         scale = query.shape[-1] ** -0.5
-    return step.attend(module.layer_idx, query.transpose(1, 2), k, v, float(scale)), None
+    return step.pad(step.attend(module.layer_idx, q, k, v, float(scale))), None
 
 
 _registered = False

@@ -224,7 +224,11 @@ class TransformersRunner:
         logits: dict[RequestId, torch.Tensor] = {}
         with torch.inference_mode():
             forward = self._forward_paged if self.attention == "paged" else self._forward
-            for group in _batches(unique, self.long_chunk):
+            # the fused forward runs a whole step in one pass (flattened tokens, nothing
+            # padded but the short rows' attention); the model's modules pad every row
+            fused = self._fused is not None
+            groups = ([unique] if unique else []) if fused else _batches(unique, self.long_chunk)
+            for group in groups:
                 for row, out in zip(group, forward(group), strict=True):
                     computed[row.request_id] = out
             pool = self.pool
@@ -373,7 +377,9 @@ class TransformersRunner:
         the model's own modules on the same tokens padded as in `_forward`.
         """
         pool = self.pool
-        step = PagedStep(pool, [(r.start, len(r.tokens), r.pages) for r in group])
+        step = PagedStep(
+            pool, [(r.start, len(r.tokens), r.pages) for r in group], alone=self.long_chunk
+        )
         ids = torch.tensor(
             [t for r in group for t in r.tokens], dtype=torch.long, device=pool.device
         )
