@@ -283,3 +283,110 @@ def test_paged_equals_gather_on_cuda(
         )
     finally:
         tiny_model.to("cpu")
+
+
+def teacher_forced_logits(
+    runner: TransformersRunner, prompts: list[tuple[int, ...]], forced: list[int], page_size: int
+) -> list[torch.Tensor]:
+    """Every sampled row's logits over: request 0 prefilled alone, the others reusing its
+    first page and prefilled together, then decode steps of all of them fed ``forced``."""
+    per = -(-(max(map(len, prompts)) + len(forced)) // page_size)
+    tables = [tuple(range(1 + i * per, 1 + (i + 1) * per)) for i in range(len(prompts))]
+    tables = [tables[0]] + [tables[0][:1] + t[1:] for t in tables[1:]]
+    out: list[torch.Tensor] = []
+
+    def step(n: int, prefills: list[PrefillWork], decodes: list[DecodeWork]) -> None:
+        res = runner.execute(StepPlan(step=n, prefills=tuple(prefills), decodes=tuple(decodes)))
+        out.extend(runner.last_logits[rid].float() for rid, _ in res.sampled)
+
+    def prefill(i: int, start: int) -> PrefillWork:
+        return PrefillWork(
+            request_id=i, token_ids=prompts[i][start:], start=start, pages=tables[i], sample=True
+        )
+
+    def decode(i: int, tok: int, pos: int) -> DecodeWork:
+        return DecodeWork(request_id=i, token_id=tok, position=pos, pages=tables[i])
+
+    step(0, [prefill(0, 0)], [])
+    step(
+        1,
+        [prefill(i, page_size) for i in range(1, len(prompts))],
+        [decode(0, forced[0], len(prompts[0]))],
+    )
+    for k, tok in enumerate(forced[1:], start=1):
+        # request 0 decoded once more than the others (in step 1)
+        decodes = [decode(i, tok, len(p) + k - (i > 0)) for i, p in enumerate(prompts)]
+        step(1 + k, [], decodes)
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_paged_logits_within_tolerance_per_dtype(tiny_factory: Any, dtype: str) -> None:
+    """The same plans in fp32 and bf16: the fused paged forward's logits stay within each
+    dtype's rounding of the gather path's (bf16: a few bf16 steps of the logit scale)."""
+    for family in ("llama", "qwen2"):
+        model = tiny_factory(family, 5)
+        rng = random.Random(3)
+        shared = tuple(rng.randrange(VOCAB) for _ in range(8))
+        prompts = [shared + tuple(rng.randrange(VOCAB) for _ in range(n)) for n in (9, 3, 14)]
+        got = []
+        for attention in ("paged", "gather"):
+            runner = TransformersRunner.for_model(
+                model, num_pages=64, page_size=4, device="cpu", dtype=dtype, attention=attention
+            )
+            assert runner.fused == (attention == "paged")
+            got.append(teacher_forced_logits(runner, prompts, [7, 300, 12, 5], 4))
+        scale = max(float(x.abs().max()) for x in got[1])
+        tol = ATOL if dtype == "float32" else 0.05 * scale
+        for a, b in zip(*got, strict=True):
+            torch.testing.assert_close(a, b, atol=tol, rtol=0)
+
+
+@pytest.mark.realmodel
+def test_smollm2_bf16_paged_close_to_gather(smollm2: Any) -> None:
+    """SmolLM2 in bf16 (the CPU default where bf16 is native): the fused paged forward and
+    the model's own forward over gathered pages agree to bf16 rounding and pick the same
+    greedy token almost everywhere."""
+    import copy
+
+    model = copy.deepcopy(smollm2.model).to(torch.bfloat16)
+    tok = smollm2.tokenizer
+    text = "The harbour city kept its records in a long stone hall near the water. " * 5
+    base = tuple(tok(text)["input_ids"])
+    prompts = [base + tuple(tok(q)["input_ids"]) for q in (" Why?", " Who kept them?")]
+    got = []
+    for attention in ("paged", "gather"):
+        runner = TransformersRunner.for_model(
+            model, num_pages=64, page_size=16, device="cpu", attention=attention
+        )
+        got.append(teacher_forced_logits(runner, prompts, [330, 2342, 28, 3], 16))
+    same = 0
+    for a, b in zip(*got, strict=True):
+        assert float((a - b).abs().max()) < 0.05 * float(b.abs().max())
+        same += int(a.argmax() == b.argmax())
+    assert same >= len(got[0]) - 1
+
+
+def test_unsupported_architecture_runs_its_own_modules(tiny_factory: Any) -> None:
+    """A model the fused forward does not know (here Mistral, whose sliding window it does
+    not implement) runs its own modules with paged attention, and matches the gather path."""
+    import transformers
+
+    config = transformers.MistralConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    model = transformers.MistralForCausalLM(config).eval()
+    paged, gather = runners(model, num_pages=64, page_size=4, fused=False)
+    assert not TransformersRunner.for_model(model, num_pages=4, device="cpu").fused
+    prompts = [tuple(range(3, 20)), (*range(3, 11), 40, 41)]
+    a = teacher_forced_logits(paged, prompts, [9, 8, 7], 4)
+    b = teacher_forced_logits(gather, prompts, [9, 8, 7], 4)
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(x, y, atol=ATOL, rtol=0)
