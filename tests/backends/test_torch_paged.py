@@ -287,13 +287,13 @@ def test_paged_equals_gather_on_cuda(
 
 def teacher_forced_logits(
     runner: TransformersRunner, prompts: list[tuple[int, ...]], forced: list[int], page_size: int
-) -> list[torch.Tensor]:
+) -> list[Any]:
     """Every sampled row's logits over: request 0 prefilled alone, the others reusing its
     first page and prefilled together, then decode steps of all of them fed ``forced``."""
     per = -(-(max(map(len, prompts)) + len(forced)) // page_size)
     tables = [tuple(range(1 + i * per, 1 + (i + 1) * per)) for i in range(len(prompts))]
     tables = [tables[0]] + [tables[0][:1] + t[1:] for t in tables[1:]]
-    out: list[torch.Tensor] = []
+    out: list[Any] = []
 
     def step(n: int, prefills: list[PrefillWork], decodes: list[DecodeWork]) -> None:
         res = runner.execute(StepPlan(step=n, prefills=tuple(prefills), decodes=tuple(decodes)))
@@ -382,7 +382,8 @@ def test_unsupported_architecture_runs_its_own_modules(tiny_factory: Any) -> Non
         tie_word_embeddings=True,
     )
     torch.manual_seed(0)
-    model = transformers.MistralForCausalLM(config).eval()
+    model: Any = transformers.MistralForCausalLM(config)
+    model.eval()
     paged, gather = runners(model, num_pages=64, page_size=4, fused=False)
     assert not TransformersRunner.for_model(model, num_pages=4, device="cpu").fused
     prompts = [tuple(range(3, 20)), (*range(3, 11), 40, 41)]
