@@ -264,7 +264,7 @@ class Server:
     def cpu_seconds(self) -> float:
         """User + system CPU seconds of the server process and its children so far."""
         try:
-            import psutil
+            import psutil  # type: ignore[import-untyped]
         except ImportError:
             return float("nan")
         try:
@@ -338,7 +338,7 @@ async def _request(
     if messages is not None:
         stream = await client.chat.completions.create(messages=messages, **common)  # type: ignore[arg-type]
     else:
-        stream = await client.completions.create(prompt=prompt, **common)  # type: ignore[arg-type]
+        stream = await client.completions.create(prompt=prompt, **common)
     usage = None
     async for chunk in stream:
         if chunk.choices and req.first is None:
@@ -401,7 +401,6 @@ async def run_workloads(
         api_key="none",
         timeout=600.0,
         max_retries=0,
-        http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=64), timeout=600.0),
     )
 
     async def measured(name: str, body: Callable[[str], Awaitable[list[Req]]]) -> None:
@@ -585,8 +584,8 @@ def main() -> None:
     )  # fmt: skip
     ratios: dict[str, dict[str, float]] = {}
     for w, by in med.items():
-        for s, m in by.items():
-            print(f"{w:<14} {s:<12} " + " ".join(f"{k}={m[k]:.3f}" for k in keys if k in m))
+        for kind, m in by.items():
+            print(f"{w:<14} {kind:<12} " + " ".join(f"{k}={m[k]:.3f}" for k in keys if k in m))
         if len(by) == 2:
             ours, theirs = by["prefixflight"], by["vllm"]
             ratios[w] = {
