@@ -69,14 +69,33 @@ class _Lone:
 @final
 class _Batch:
     """Rows attended together: their queries padded to ``[rows, q]`` (right-aligned), one
-    page-granular gather, one batched product, an additive mask."""
+    page-granular gather, one batched product, an additive mask.
 
-    __slots__ = ("allowed", "bias", "index", "pages", "q", "real", "rows")
+    The pages every row's table starts with (a shared system prompt, the prompt of a group
+    of identical requests), up to the first query of any row, are `shared`: every query
+    sees all of them, so they are read once for all rows (a slice of the pool when they are
+    consecutive, else one gather) and multiplied with all rows' queries in one product; only
+    the rest of each row's pages is gathered per row. Both parts' scores go through one
+    softmax, so the result is the same attention.
+    """
+
+    __slots__ = (
+        "allowed",
+        "bias",
+        "index",
+        "pages",
+        "q",
+        "real",
+        "rows",
+        "shared",
+        "shared_pages",
+        "shared_span",
+    )
 
     def __init__(
         self,
         rows: Sequence[tuple[int, int]],
-        tables: torch.Tensor,
+        tables: Sequence[Sequence[int]],
         index: torch.Tensor | None,
         page_size: int,
         dev: torch.device,
@@ -84,20 +103,31 @@ class _Batch:
         self.rows = len(rows)
         self.q = q = max(n for _, n in rows)
         self.index = index  # the rows' tokens among the step's (None: all of them, in order)
-        self.pages = tables.reshape(-1).to(dev)
-        self.real: torch.Tensor | None = None
-        if any(n != q for _, n in rows):
-            flat: list[int] = []
-            for i, (_, n) in enumerate(rows):
-                flat.extend(range(i * q + q - n, (i + 1) * q))
-            self.real = torch.tensor(flat, dtype=torch.long, device=dev)
-        # query positions [rows, q]; a padding query gets position 0 (it sees key 0 of its
-        # row's first page, so no row of scores is empty; its output is dropped)
-        qpos = torch.zeros((self.rows, q), dtype=torch.long)
-        for i, (start, n) in enumerate(rows):
-            qpos[i, q - n :] = torch.arange(start, start + n)
-        keys = torch.arange(tables.shape[1] * page_size)
-        self.allowed = (keys.view(1, 1, -1) <= qpos.unsqueeze(-1)).to(dev)  # [rows, q, W]
+        first = tables[0]
+        shared = 0
+        if self.rows > 1:
+            limit = min(min(start for start, _ in rows) // page_size, *map(len, tables))
+            while shared < limit and all(t[shared] == first[shared] for t in tables):
+                shared += 1
+        self.shared = shared
+        self.shared_span: int | None = None
+        self.shared_pages: torch.Tensor | None = None
+        if shared:
+            if all(b == a + 1 for a, b in itertools.pairwise(first[:shared])):
+                self.shared_span = first[0] * page_size
+            else:
+                self.shared_pages = torch.tensor(first[:shared], dtype=torch.long, device=dev)
+        width = max(len(t) for t in tables) - shared
+        rest = [[*t[shared:]] + [0] * (width - len(t) + shared) for t in tables]
+        self.pages = torch.tensor(rest, dtype=torch.long).view(-1).to(dev)
+        lengths = [n for _, n in rows]
+        self.real = _real(lengths, q, dev) if any(n != q for n in lengths) else None
+        # query positions [rows, q]; a padding query gets position 0 (it sees key 0, shared
+        # or its row's first page, so no row of scores is empty; its output is dropped)
+        qpos = [[0] * (q - n) + list(range(start, start + n)) for start, n in rows]
+        keys = torch.arange(shared * page_size, (shared + width) * page_size, device=dev)
+        qp = torch.tensor(qpos, dtype=torch.long, device=dev)
+        self.allowed = keys.view(1, 1, -1) <= qp.unsqueeze(-1)  # [rows, q, W]
         self.bias: dict[torch.dtype, torch.Tensor] = {}
 
     def bias_of(self, dtype: torch.dtype) -> torch.Tensor:
@@ -114,6 +144,12 @@ class _Batch:
 
     def unpad(self, padded: torch.Tensor) -> torch.Tensor:
         return _unpad(padded, self.rows, self.q, self.real)
+
+
+def _real(lengths: Sequence[int], q: int, dev: torch.device) -> torch.Tensor:
+    """Where each row's ``n`` tokens sit among ``rows * q`` padded ones (right-aligned)."""
+    flat = [t for i, n in enumerate(lengths) for t in range(i * q + q - n, (i + 1) * q)]
+    return torch.tensor(flat, dtype=torch.long, device=dev)
 
 
 def _pad(flat: torch.Tensor, rows: int, q: int, real: torch.Tensor | None) -> torch.Tensor:
@@ -173,23 +209,22 @@ class PagedStep:
         self.q = q = max(lengths)
         ends = [start + n for start, n, _ in rows]
         need = [-(-e // ps) for e in ends]
-        width = max(need)
-        table = [
-            [*pages[:k]] + [0] * (width - k) for (_, _, pages), k in zip(rows, need, strict=True)
-        ]
-        tables = torch.tensor(table, dtype=torch.long)  # [rows, pages]
-        pos = torch.cat([torch.arange(start, start + n) for start, n, _ in rows])
-        row_of = torch.repeat_interleave(torch.arange(self.rows), torch.tensor(lengths))
-        self.positions = pos.to(dev)
-        self.write = (tables[row_of, pos // ps] * ps + pos % ps).to(dev)
+        table = [[*pages[:k]] for (_, _, pages), k in zip(rows, need, strict=True)]
+        # plain Python for the index lists (a step has few rows; a long chunk's slots are
+        # one pass over its positions), then one tensor each
+        positions: list[int] = []
+        write: list[int] = []
+        for (start, n, _), pages in zip(rows, table, strict=True):
+            span = range(start, start + n)
+            positions.extend(span)
+            write.extend(pages[p // ps] * ps + p % ps for p in span)
+        self.positions = torch.tensor(positions, dtype=torch.long, device=dev)
+        self.write = torch.tensor(write, dtype=torch.long, device=dev)
         offsets = [0, *itertools.accumulate(lengths)]
-        self.last = torch.tensor(offsets[1:], device=dev) - 1  # each row's last token
+        self.last = torch.tensor([o - 1 for o in offsets[1:]], dtype=torch.long, device=dev)
         self.real: torch.Tensor | None = None
         if any(n != q for n in lengths):
-            flat: list[int] = []
-            for i, n in enumerate(lengths):
-                flat.extend(range(i * q + q - n, (i + 1) * q))
-            self.real = torch.tensor(flat, dtype=torch.long, device=dev)
+            self.real = _real(lengths, q, dev)
         self._masks: dict[int, torch.Tensor] = {}
         self._lone: list[_Lone] = []
         together: list[int] = []
@@ -200,22 +235,21 @@ class PagedStep:
             lone = _Lone(offsets[i], offsets[i + 1], start)
             if start:
                 lone.context = ends[i]
-                used = table[i][: need[i]]
+                used = table[i]
                 if all(b == a + 1 for a, b in itertools.pairwise(used)):
                     lone.span = used[0] * ps
                 else:
-                    lone.pages = tables[i, : need[i]].to(dev)
+                    lone.pages = torch.tensor(used, dtype=torch.long, device=dev)
             self._lone.append(lone)
         self._together: _Batch | None = None
         if together:
             index = None
             if len(together) < self.rows:
-                index = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in together])
-                index = index.to(dev)
-            keep = max(need[i] for i in together)
+                picked = [t for i in together for t in range(offsets[i], offsets[i + 1])]
+                index = torch.tensor(picked, dtype=torch.long, device=dev)
             self._together = _Batch(
                 [(rows[i][0], rows[i][1]) for i in together],
-                tables[together][:, :keep],
+                [table[i] for i in together],
                 index,
                 ps,
                 dev,
@@ -297,7 +331,8 @@ class PagedStep:
         scale: float,
     ) -> torch.Tensor:
         """Several rows: ``[kv_heads, rows, W, D]`` from their pages, one product over all
-        rows, each KV head's query heads folded into its rows."""
+        rows, each KV head's query heads folded into its rows (the shared pages: one
+        product over all rows' queries)."""
         _, heads, dim = query.shape
         kv_heads = k_pool.shape[0]
         group = heads // kv_heads
@@ -309,10 +344,33 @@ class PagedStep:
         values = _gather(v_pool, batch.pages, ps).view(kv_heads * rows, width, dim).to(dt)
         qp = batch.pad(query * scale if scale != 1.0 else query)  # [rows, q, heads, D]
         qg = qp.view(rows, q, kv_heads, group, dim).permute(2, 0, 3, 1, 4)
-        scores = torch.bmm(qg.reshape(kv_heads * rows, group * q, dim), keys.transpose(1, 2))
-        scores.view(kv_heads, rows, group, q, width).add_(batch.bias_of(dt))
+        qg = qg.reshape(kv_heads, rows * group * q, dim)  # [kv_heads, rows * group * q, D]
+        own = torch.bmm(qg.view(kv_heads * rows, group * q, dim), keys.transpose(1, 2))
+        own.view(kv_heads, rows, group, q, width).add_(batch.bias_of(dt))
+        if not batch.shared:
+            probs = torch.softmax(own, dim=-1)
+            out = torch.bmm(probs, values).view(kv_heads, rows, group, q, dim)
+            return batch.unpad(out.permute(1, 3, 0, 2, 4).reshape(rows, q, heads, dim))
+        wide = batch.shared * ps
+        if batch.shared_span is not None:
+            first = batch.shared_span
+            s_keys, s_values = k_pool[:, first : first + wide], v_pool[:, first : first + wide]
+        else:
+            assert batch.shared_pages is not None
+            s_keys = _gather(k_pool, batch.shared_pages, ps)
+            s_values = _gather(v_pool, batch.shared_pages, ps)
+        s_keys, s_values = s_keys.to(dt), s_values.to(dt)
+        scores = torch.cat(
+            (
+                torch.bmm(qg, s_keys.transpose(1, 2)).view(kv_heads, rows * group * q, wide),
+                own.view(kv_heads, rows * group * q, width),
+            ),
+            dim=-1,
+        )
         probs = torch.softmax(scores, dim=-1)
-        out = torch.bmm(probs, values).view(kv_heads, rows, group, q, dim)
+        out = torch.bmm(probs[..., :wide], s_values).view(kv_heads * rows, group * q, dim)
+        out.baddbmm_(probs[..., wide:].reshape(kv_heads * rows, group * q, width), values)
+        out = out.view(kv_heads, rows, group, q, dim)
         return batch.unpad(out.permute(1, 3, 0, 2, 4).reshape(rows, q, heads, dim))
 
     def _causal(

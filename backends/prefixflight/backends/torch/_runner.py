@@ -240,13 +240,19 @@ class TransformersRunner:
                 computed[row.request_id] = computed[same.request_id]
             self.deduplicated_rows += len(copies)
             self.deduplicated_tokens += sum(len(row.tokens) for row, _ in copies)
-            sampled = []
-            for row in rows:
-                if row.sample:
-                    out = logits[row.request_id] = computed[row.request_id]
-                    sampler = self._samplers.get(row.request_id)
-                    tok = sampler.sample(out) if sampler is not None else int(out.argmax().item())
-                    sampled.append((row.request_id, tok))
+            picked = [row.request_id for row in rows if row.sample]
+            for rid in picked:
+                logits[rid] = computed[rid]
+            # greedy rows: one argmax over all of them
+            greedy = [rid for rid in picked if rid not in self._samplers]
+            best: dict[RequestId, int] = {}
+            if greedy:
+                top = torch.stack([logits[rid] for rid in greedy]).argmax(dim=-1).tolist()
+                best = dict(zip(greedy, top, strict=True))
+            sampled = [
+                (rid, best[rid] if rid in best else self._samplers[rid].sample(logits[rid]))
+                for rid in picked
+            ]
         self.last_logits = logits
         return StepResult(step=plan.step, sampled=tuple(sampled))
 
