@@ -597,6 +597,8 @@ def main() -> None:
                 f"{w:<14} {'ours/vllm':<12} "
                 + " ".join(f"{k}=x{v:.2f}" for k, v in ratios[w].items())
             )
+    if len(servers) == 2:
+        print("\n" + markdown_table(med))
     if args.json:
         report = {
             "workloads": med,
@@ -623,6 +625,42 @@ def main() -> None:
         }
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+
+
+HEADLINES = (
+    ("startup", "startup_s", "start-up to /health", "s"),
+    ("cold_prompt", "ttft_p50", "cold 904-token TTFT", "s"),
+    ("warm_prefix", "ttft_p50", "warm-prefix TTFT", "s"),
+    ("warm_prefix", "cached_tokens", "warm-prefix cached tokens", ""),
+    ("identical_4", "mean_ttft", "4 identical 532-token prompts: mean TTFT", "s"),
+    ("identical_4", "slowest_completion", "4 identical: slowest completion (128 out)", "s"),
+    ("identical_4", "prefill_tokens_computed", "4 identical: prefill tokens computed", ""),
+    ("identical_8", "mean_ttft", "8 identical: mean TTFT", "s"),
+    ("identical_8", "slowest_completion", "8 identical: slowest completion", "s"),
+    ("identical_8", "prefill_tokens_computed", "8 identical: prefill tokens computed", ""),
+    ("chat_8", "ttft_p50", "8 chat clients, shared system prompt: TTFT p50", "s"),
+    ("chat_8", "tokens_per_s", "8 chat clients: tokens/s", ""),
+    ("chat_8", "prefill_tokens_computed", "8 chat clients: prefill tokens computed", ""),
+    ("grpo_8", "ttft_p50", "GRPO, 4 groups of 8: TTFT p50", "s"),
+    ("grpo_8", "tokens_per_s", "GRPO: tokens/s", ""),
+    ("long_document", "ttft_p50", "4,000-token document, 8 questions: TTFT p50", "s"),
+    ("long_document", "tokens_per_s", "long document: tokens/s", ""),
+    ("long_document", "prefill_tokens_computed", "long document: prefill tokens computed", ""),
+)
+
+
+def markdown_table(med: dict[str, dict[str, dict[str, float]]]) -> str:
+    """The headline measures as a Markdown table: ours, vLLM's, ours / vLLM's."""
+    lines = ["| measure | prefixflight | vLLM | ours / vLLM |", "|---|---:|---:|---:|"]
+    for workload, key, label, unit in HEADLINES:
+        by = med.get(workload, {})
+        if "prefixflight" not in by or "vllm" not in by or key not in by["vllm"]:
+            continue
+        ours, theirs = by["prefixflight"][key], by["vllm"][key]
+        a, b = (f"{v:.3f} {unit}" if unit else f"{v:.0f}" for v in (ours, theirs))
+        ratio = f"{ours / theirs:.2f}x" if theirs else "-"
+        lines.append(f"| {label} | {a} | {b} | {ratio} |")
+    return "\n".join(lines)
 
 
 def _cpu_name() -> str:
