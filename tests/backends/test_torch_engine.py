@@ -20,15 +20,11 @@ from prefixflight.backends.torch import (  # noqa: E402
     EngineClosedError,
     EngineConfig,
     SamplingParams,
+    StepFailedError,
     TransformersRunner,
 )
-from prefixflight.core import (  # noqa: E402
-    ConfigError,
-    FinishReason,
-    ReleasePolicy,
-    Role,
-    UsageError,
-)
+from prefixflight.core import ConfigError, FinishReason, ReleasePolicy, UsageError  # noqa: E402
+from prefixflight.core.flight import Role  # noqa: E402
 
 from .conftest import PAGE, engine_for, greedy_reference, prompt_of, run  # noqa: E402
 
@@ -157,22 +153,37 @@ def test_model_step_runs_off_the_event_loop_thread(
     assert threads and threading.get_ident() not in threads
 
 
-def test_backend_failure_fails_every_request(
+def test_a_backend_failure_fails_the_requests_of_its_step_and_the_engine_serves_on(
     tiny_model: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    original = TransformersRunner.execute
+    broken = True
+
     def boom(self: TransformersRunner, plan: Any) -> Any:
-        raise RuntimeError("device lost")
+        if broken:
+            raise RuntimeError("device lost")
+        return original(self, plan)
 
     monkeypatch.setattr(TransformersRunner, "execute", boom)
 
     async def main() -> None:
+        nonlocal broken
         async with engine_for(tiny_model) as engine:
             gens = [engine.generate(prompt_of(i, 9)) for i in range(3)]
             for g in gens:
-                with pytest.raises(RuntimeError, match="device lost"):
+                with pytest.raises(StepFailedError, match="device lost") as info:
                     await collect(g)
-            with pytest.raises(EngineClosedError):
-                engine.generate([1, 2])
+                assert isinstance(info.value.__cause__, RuntimeError)
+            assert not engine.closed
+            # the failed step registered the prompts' blocks for same-step sharing: they
+            # never got their KV, so they left the cache with the step
+            assert len(engine.scheduler.cache) == 0
+            usage = engine.scheduler.page_usage()
+            assert usage.free == usage.total
+            broken = False
+            prompt = prompt_of(7, 9)
+            out = await collect(engine.generate(prompt, SamplingParams(max_tokens=3)))
+            assert out == greedy_reference(tiny_model, prompt, 3)
 
     run(main)
 
@@ -262,3 +273,53 @@ def test_engine_on_cuda_matches_the_cpu_greedy_reference(tiny_factory: Any) -> N
             return list(await asyncio.gather(*(collect(g) for g in gens)))
 
     assert run(main) == [expected] * 3
+
+
+_BURST_PAGE = 16
+_REFERENCE: dict[int, list[int]] = {}
+
+
+@pytest.mark.parametrize("arrival", ["together", "spread", "warm"])
+@pytest.mark.parametrize("policy", [ReleasePolicy.INDEPENDENT, ReleasePolicy.AFTER_PREFILL])
+@pytest.mark.parametrize("n", [4, 8])
+def test_a_burst_never_recomputes_the_shared_prompt(
+    tiny_factory: Any, n: int, policy: ReleasePolicy, arrival: str
+) -> None:
+    """The single-flight study's bursts on the real engine: 4 or 8 identical 532-token
+    prompts, 128 tokens out, arriving together, spread over the first steps, or after the
+    prompt was warmed; a step budget of 256 (below the prompt). Coordinated or not, the
+    prompt's full blocks are computed once and every other request reuses all 528 of its
+    tokens (pages of 16), and every answer is the model's greedy one."""
+    model = tiny_factory("llama", 0)
+    prompt = prompt_of(500 + n, 532)
+    if n not in _REFERENCE:
+        _REFERENCE[n] = greedy_reference(model, prompt, 128)
+    config = EngineConfig(
+        release_policy=policy,
+        num_pages=256,
+        page_size=_BURST_PAGE,
+        max_batch_tokens=256,
+        max_running=8,
+    )
+    sampling = SamplingParams(max_tokens=128, ignore_eos=True)
+
+    async def main() -> tuple[list[Any], Any, Any]:
+        async with AsyncEngine.from_model(model, config, device="cpu") as engine:
+            if arrival == "warm":
+                await engine.generate(prompt, sampling).result()
+            before = engine.scheduler.stats
+            gens = []
+            for _ in range(n):
+                gens.append(engine.generate(prompt, sampling))
+                if arrival == "spread":
+                    await asyncio.sleep(0.01)  # arrivals land while steps run
+            outputs = await asyncio.gather(*(collect(g) for g in gens))
+            assert all(out == _REFERENCE[n] for out in outputs)
+            return [g.report for g in gens], before, engine.scheduler.stats
+
+    reports, before, after = run(main)
+    reuse = (532 - 1) // _BURST_PAGE * _BURST_PAGE
+    computers = 0 if arrival == "warm" else 1
+    assert sorted(r.cached_tokens for r in reports) == [0] * computers + [reuse] * (n - computers)
+    computed = after.prefill_tokens - before.prefill_tokens
+    assert computed == 532 * computers + (532 - reuse) * (n - computers)

@@ -24,6 +24,7 @@ from prefixflight.core import (  # noqa: E402
     ConfigError,
     DecodeWork,
     PrefillWork,
+    RequestId,
     StepPlan,
     UsageError,
 )
@@ -661,3 +662,89 @@ def test_decode_reuse_happens_for_a_steady_batch(tiny_model: Any) -> None:
     )
     runner.execute(plan)
     assert runner.reused_passes == 4
+
+
+@FAST
+@given(
+    shared=st.lists(st.integers(0, VOCAB - 1), min_size=4, max_size=40).map(tuple),
+    tails=st.lists(st.sampled_from([(), (1,), (2, 3), (1, 2, 3), (7,) * 9]), max_size=8),
+    first_chunk=st.integers(0, 40),
+    page_size=st.integers(1, 8),
+    attention=st.sampled_from(["paged", "gather"]),
+    deduplicate=st.booleans(),
+)
+def test_a_row_reads_pages_its_writer_writes_in_the_same_step(
+    tiny_model: Any,
+    shared: tuple[int, ...],
+    tails: list[tuple[int, ...]],
+    first_chunk: int,
+    page_size: int,
+    attention: str,
+    deduplicate: bool,
+) -> None:
+    """Same-step sharing: a writer finishes its prompt in one step (after an optional earlier
+    chunk) and readers admitted in that step attend over the pages it writes there
+    (``reads_from``). Every reader gets the logits of a full prefill, whatever the rows'
+    lengths make of the forward passes (a short writer among shorter readers included),
+    on both attention paths, with and without deduplication."""
+    rng = random.Random(len(shared) * 97 + len(tails) * 7 + first_chunk)
+    runner = TransformersRunner.for_model(
+        tiny_model,
+        num_pages=400,
+        page_size=page_size,
+        device="cpu",
+        deduplicate=deduplicate,
+        attention=attention,
+        long_chunk=16,
+    )
+    free = list(range(runner.pool.num_pages))
+    writer = (*shared, 5)
+    w_pages = page_table(rng, free, pages_for(len(writer), page_size))
+    cut = min(first_chunk, len(writer) - 1) // page_size * page_size
+    if cut:
+        work = PrefillWork(
+            request_id="w", token_ids=writer[:cut], start=0, pages=w_pages, sample=False
+        )
+        runner.execute(StepPlan(step=0, prefills=(work,)))
+    works = [
+        PrefillWork(request_id="w", token_ids=writer[cut:], start=cut, pages=w_pages, sample=True)
+    ]
+    prompts: dict[RequestId, tuple[int, ...]] = {"w": writer}
+    for i, tail in enumerate(tails):
+        prompt = shared + tail
+        if len(prompt) < 2:
+            continue
+        reused = min(len(shared), len(prompt) - 1) // page_size  # full blocks "w" writes
+        start = reused * page_size
+        pages = w_pages[:reused] + page_table(rng, free, pages_for(len(prompt), page_size) - reused)
+        reads = ("w",) if start > cut else ()
+        works.append(
+            PrefillWork(
+                request_id=i,
+                token_ids=prompt[start:],
+                start=start,
+                pages=pages,
+                sample=True,
+                reads_from=reads,
+            )
+        )
+        prompts[i] = prompt
+    runner.execute(StepPlan(step=1, prefills=tuple(works)))
+    for rid, prompt in prompts.items():
+        torch.testing.assert_close(
+            runner.last_logits[rid], full_logits(tiny_model, prompt), atol=ATOL, rtol=0
+        )
+
+
+def test_readers_run_after_their_writers_even_when_shorter() -> None:
+    """The case the row grouping alone gets wrong: a 12-token writer and 2-token readers;
+    sorted by length the readers would run in an earlier pass than the writer."""
+    from prefixflight.backends.torch._runner import _batches, _levels, _Row
+
+    writer = _Row("w", (0,) * 12, 8, (), True)
+    readers = [_Row(i, (0,) * 2, 16, (), True, ("w",)) for i in range(8)]
+    passes = [g for level in _levels([writer, *readers]) for g in _batches(level, 64)]
+    order = {r.request_id: n for n, g in enumerate(passes) for r in g}
+    assert all(order[i] > order["w"] for i in range(8))
+    alone = {r.request_id: n for n, g in enumerate(_batches([writer, *readers], 64)) for r in g}
+    assert min(alone[i] for i in range(8)) < alone["w"], "grouping alone runs a reader first"

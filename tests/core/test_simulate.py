@@ -12,11 +12,11 @@ from prefixflight.core import (
     PrefillWork,
     PublishMode,
     ReleasePolicy,
-    Role,
     SchedulerConfig,
     StepPlan,
     UsageError,
 )
+from prefixflight.core.flight import Role
 from prefixflight.sim import (
     Arrival,
     CostModel,
@@ -131,12 +131,17 @@ def test_cost_model_is_validated() -> None:
         CostModel.calibrated(prefill_tokens=0)
 
 
-def _run(n: int, policy: ReleasePolicy, publish: PublishMode, budget: int = 512) -> list[object]:
+def _run(
+    n: int, policy: ReleasePolicy, publish: PublishMode, budget: int = 512, *, sharing: bool = True
+) -> list[object]:
     prompt = tuple(range(1, 101))
     work = [Arrival(request_id=i, prompt=prompt, max_new_tokens=8) for i in range(n)]
+    config = SchedulerConfig(
+        num_pages=512, max_batch_tokens=budget, publish=publish, same_step_sharing=sharing
+    )
     res = simulate_engine(
         work,
-        config=SchedulerConfig(num_pages=512, max_batch_tokens=budget, publish=publish),
+        config=config,
         flight=FlightConfig(policy=policy),
         cost=COST,
     )
@@ -148,16 +153,26 @@ def _run(n: int, policy: ReleasePolicy, publish: PublishMode, budget: int = 512)
     return list(res.reports)
 
 
-def test_cold_simultaneous_arrivals_recover_nothing_without_coordination() -> None:
-    for publish in PublishMode:  # all four are admitted in the same step: a pure race
-        reports = _run(4, ReleasePolicy.INDEPENDENT, publish)
+def test_cold_simultaneous_arrivals_share_only_through_same_step_sharing() -> None:
+    """All four are admitted in one step. Without same-step sharing (or when blocks are
+    published only on completion) that is a pure race: nobody reuses anything. With it
+    (the default, as vLLM does) the first computes the prompt and the others read its
+    pages as that step writes them."""
+    for publish in PublishMode:
+        reports = _run(4, ReleasePolicy.INDEPENDENT, publish, sharing=False)
         assert all(r.cached_tokens == 0 for r in reports)  # type: ignore[attr-defined]
+    reports = _run(4, ReleasePolicy.INDEPENDENT, PublishMode.ON_COMPLETION)
+    assert all(r.cached_tokens == 0 for r in reports)  # type: ignore[attr-defined]
+    reports = _run(4, ReleasePolicy.INDEPENDENT, PublishMode.PER_STEP)
+    assert [r.cached_tokens for r in reports] == [0, 96, 96, 96]  # type: ignore[attr-defined]
+    assert len({r.first_token_at for r in reports}) == 1  # type: ignore[attr-defined]
 
 
 def test_incremental_publication_recovers_what_happens_to_be_published() -> None:
-    # a budget of 256 admits two and a half prompts per step: the fourth request finds the
-    # first one's blocks only because they were published after the first step
-    reports = _run(4, ReleasePolicy.INDEPENDENT, PublishMode.PER_STEP, budget=256)
+    # without same-step sharing, a budget of 256 admits two and a half prompts per step: the
+    # fourth request finds the first one's blocks only because they were published after
+    # the first step
+    reports = _run(4, ReleasePolicy.INDEPENDENT, PublishMode.PER_STEP, budget=256, sharing=False)
     cached = [r.cached_tokens for r in reports]  # type: ignore[attr-defined]
     assert cached[:3] == [0, 0, 0] and cached[3] == 96
     reports = _run(4, ReleasePolicy.INDEPENDENT, PublishMode.ON_COMPLETION, budget=256)
@@ -220,7 +235,14 @@ def test_findings_agree_with_the_rows_they_summarise() -> None:
 
 
 def test_partial_prefix_rows() -> None:
-    rows = simulate_partial_prefix(COST, SMALL, cases=((64, 16),), output_tokens=4)
+    # with same-step sharing (the default) requests that arrive together read the document
+    # as the first one writes it: partial coordination has nothing left to add
+    exact, partial = simulate_partial_prefix(COST, SMALL, cases=((64, 16),), output_tokens=4)
+    assert exact.recovered_tokens_per_follower == partial.recovered_tokens_per_follower == 64
+    assert exact.computed_prompt_tokens == partial.computed_prompt_tokens == 64 + 4 * 16
+    # without it, only partial coordination keeps them from computing the document 4 times
+    unshared = attrs.evolve(SMALL, same_step_sharing=False)
+    rows = simulate_partial_prefix(COST, unshared, cases=((64, 16),), output_tokens=4)
     exact, partial = rows
     assert exact.recovered_tokens_per_follower == 0
     assert partial.recovered_tokens_per_follower == 64

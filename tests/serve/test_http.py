@@ -243,6 +243,45 @@ def test_n_choices_share_one_prefill(server: Any) -> None:
     assert [c.text for c in sampled[0].choices] == [c.text for c in sampled[1].choices]
 
 
+@pytest.mark.parametrize("policy", ["independent", "after_prefill"])
+def test_a_burst_over_http_never_recomputes_the_shared_prompt(
+    start_server: Any, policy: str
+) -> None:
+    """The single-flight study's bursts over HTTP, as its clients send them: a warmed
+    prompt, then 4 and 8 identical cold 532-token prompts at once, 128 tokens out each,
+    against a step budget of 256 and pages of 16. However the arrivals fall on the steps,
+    every request but the first reuses all 528 full-block tokens, and the prompt tokens
+    the model computed are one prompt plus a 4-token tail per follower."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from prefixflight.core import ReleasePolicy
+
+    srv = start_server(
+        release_policy=ReleasePolicy(policy), page_size=16, max_batch_tokens=256, num_pages=512
+    )
+    oa = client(srv)
+
+    def ask(prompt: str) -> int:
+        out = oa.completions.create(model=MODEL, prompt=prompt, max_tokens=128, temperature=0)
+        assert out.usage is not None and out.usage.prompt_tokens_details is not None
+        assert out.usage.prompt_tokens == 532
+        return int(out.usage.prompt_tokens_details.cached_tokens or 0)
+
+    name = "prefixflight:computed_prompt_tokens_total"
+    for warm, n in ((True, 4), (False, 4), (False, 8)):
+        prompt = unique_text(532)
+        if warm:
+            assert ask(prompt) == 0
+        before = value(metrics(srv), name)
+        with ThreadPoolExecutor(n) as pool:
+            cached = sorted(pool.map(ask, [prompt] * n))
+        computers = 0 if warm else 1
+        assert cached == [0] * computers + [528] * (n - computers), (warm, n, cached)
+        until(lambda: not page_state(srv)[2], "the burst to end")
+        computed = value(metrics(srv), name) - before
+        assert computed == 532 * computers + 4 * (n - computers), (warm, n, computed)
+
+
 def test_stop_strings_end_the_answer_before_them(server: Any) -> None:
     prompt = unique_text(15)
     oa = client(server)

@@ -48,10 +48,24 @@ class _PublishesEarly(Scheduler):  # type: ignore[misc]
     again on every retry and never terminated: a RecursionError, not a caught bug.)
     """
 
-    def _publish(self, req: Any, upto: int) -> None:
+    def _publish(self, req: Any, upto: int) -> list[int]:
         bs = self.config.block_size
         limit = min(len(req.pages), (len(req.prompt) + len(req.output)) // bs)
-        super()._publish(req, min(upto + 1, limit))
+        return super()._publish(req, min(upto + 1, limit))
+
+
+class _HidesSameStepReads(Scheduler):  # type: ignore[misc]
+    """Shares blocks in the step that writes them but does not say so in the plan."""
+
+    def _plan_chunk(self, req: Any, draft: Any, now: float, reads: Any = ()) -> None:
+        super()._plan_chunk(req, draft, now, ())
+
+
+class _KeepsFailedBlocks(Scheduler):  # type: ignore[misc]
+    """Leaves the blocks a failed step registered in the cache (their KV was never written)."""
+
+    def _close_step(self, *, failed: bool = False) -> None:
+        super()._close_step(failed=False)
 
 
 def _factory(cls: type[Scheduler]) -> Callable[..., Scheduler]:
@@ -62,7 +76,9 @@ def _factory(cls: type[Scheduler]) -> Callable[..., Scheduler]:
     return make
 
 
-@pytest.mark.parametrize("broken", [_LeaksPages, _PublishesEarly])
+@pytest.mark.parametrize(
+    "broken", [_LeaksPages, _PublishesEarly, _HidesSameStepReads, _KeepsFailedBlocks]
+)
 def test_machine_catches_broken_schedulers(broken: type[Scheduler]) -> None:
     machine = SchedulerMachine.for_factory(_factory(broken))
     with pytest.raises(AssertionError) as caught:

@@ -8,6 +8,8 @@ import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import attrs
+
 from prefixflight.core import ConfigError
 
 from ._args import at_least, output_file, positive_float, ratio, usage_errors
@@ -85,6 +87,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         metavar="N",
         help="late arrival: the second request arrives once the first has produced N tokens "
         "(< --output-tokens)",
+    )
+    eng.add_argument(
+        "--no-same-step-sharing",
+        dest="same_step_sharing",
+        action="store_false",
+        help="register a step's blocks after it runs, not when it is planned: requests "
+        "admitted in one step then never read each other's pages (the engine before "
+        "same-step sharing)",
     )
     p.set_defaults(func=run, parser=p)
 
@@ -224,7 +234,9 @@ def run(args: argparse.Namespace) -> int:
         flags = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in calibration.items())
         args.parser.error(f"these measured times give no valid cost model ({flags}): {exc}")
     with usage_errors(args.parser):
-        sim = FlightSimConfig(max_batch_tokens=args.max_batch_tokens)
+        sim = FlightSimConfig(
+            max_batch_tokens=args.max_batch_tokens, same_step_sharing=args.same_step_sharing
+        )
     out_n = args.output_tokens
     inc = simulate_incremental_publication(cost, sim, output_tokens=out_n)
     sf = simulate_single_flight(cost, sim, output_tokens=out_n)
@@ -264,6 +276,12 @@ def run(args: argparse.Namespace) -> int:
         "only for an identical prompt) and partial (they wait for the shared prefix); vs exact:\n"
         "against exact_only for the same case.\n\n",
     ]
+    if sim.same_step_sharing:
+        text.append(
+            "With same-step sharing the others read the document in the step that writes it,\n"
+            "in both modes; --no-same-step-sharing shows what partial coordination buys\n"
+            "without it.\n\n"
+        )
     for regime, rows in part:
         if regime == "calibrated":
             text.append("Calibrated:\n\n")
@@ -283,11 +301,7 @@ def run(args: argparse.Namespace) -> int:
     write_stdout("".join(text))
     if args.json:
         data = {
-            "cost_model": {
-                "step_overhead": cost.step_overhead,
-                "prefill_per_token": cost.prefill_per_token,
-                "decode_per_request": cost.decode_per_request,
-            },
+            "cost_model": attrs.asdict(cost),  # step_overhead, prefill/decode costs
             "incremental_publication": [r.to_dict() for r in inc],
             "single_flight": [r.to_dict() for r in sf],
             "late_arrival": [r.to_dict() for r in late],

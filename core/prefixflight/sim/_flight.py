@@ -9,7 +9,7 @@ completions are whatever the scheduler, coordinator and cost model produce.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, final
 
 import attrs
 
@@ -29,14 +29,18 @@ __all__ = [
 ]
 
 
+@final
 @attrs.frozen(kw_only=True)
 class FlightSimConfig:
-    """Engine shape shared by every experiment (block size as in the study: 16)."""
+    """Engine shape shared by every experiment (block size as in the study: 16).
+    ``same_step_sharing``: `SchedulerConfig.same_step_sharing` (False: the engine before it,
+    where requests admitted in one step never read each other's blocks)."""
 
     block_size: int = 16
     num_pages: int = 8192
     max_batch_tokens: int = 2048
     max_running: int = 64
+    same_step_sharing: bool = True
 
     def scheduler(self, publish: PublishMode) -> SchedulerConfig:
         return SchedulerConfig(
@@ -45,12 +49,14 @@ class FlightSimConfig:
             max_batch_tokens=self.max_batch_tokens,
             max_running=self.max_running,
             publish=publish,
+            same_step_sharing=self.same_step_sharing,
         )
 
     def flight(self, policy: ReleasePolicy, **kw: Any) -> FlightConfig:
         return FlightConfig(policy=policy, block_size=self.block_size, **kw)
 
 
+@final
 @attrs.frozen(kw_only=True)
 class FlightRow:
     """One measured configuration. Times are simulated seconds."""
@@ -199,6 +205,7 @@ def simulate_late_arrival(
     return rows
 
 
+@final
 @attrs.frozen(kw_only=True)
 class FindingsRow:
     """Whether the single-flight study's subtler findings hold under one cost model."""

@@ -2,12 +2,16 @@
 
 `FakeBackend` executes `StepPlan`s instantly on a pool of pages that hold token ids instead
 of KV, and checks every read: a prefill or decode may only attend to pages that hold exactly
-the tokens of its own sequence. `SchedulerMachine` drives a scheduler with random arrivals
+the tokens of its own sequence, and reads a page written in the same step only from a writer
+its ``reads_from`` declares. `SchedulerMachine` drives a scheduler with random arrivals
 (identical and different prompts, two namespaces), steps, aborts (also while a step is
-running), bad results and unknown ids, and checks after every step:
+running), failed steps, bad results and unknown ids, with and without same-step sharing, and
+checks after every step:
 
 - pinned blocks are never evicted and page counts add up (``check_invariants``);
-- every cached block's page holds exactly that block's tokens;
+- every cached block's page holds exactly that block's tokens, or, between a plan and its
+  run, is written by that plan (same-step sharing registers a block when its step is
+  planned); a failed step's pages are wiped, so a block it left cached would be caught;
 - requests are where the coordinator says they are;
 - no page leaks once every request has ended;
 - liveness: with arrivals stopped, everything finishes within a bound of steps;
@@ -37,18 +41,17 @@ from prefixflight.core import (
     FinishReason,
     FlightConfig,
     FlightCoordinator,
-    Placement,
     PrefixCache,
     PublishMode,
     ReleasePolicy,
     RequestId,
-    RequestState,
     Scheduler,
     SchedulerConfig,
     StepPlan,
     StepResult,
     UsageError,
 )
+from prefixflight.core.flight import Placement, RequestState
 
 from ._backend import FakeBackend
 
@@ -113,6 +116,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         publish=st.sampled_from(PublishMode),
         policy=st.sampled_from(["lru", "s3fifo"]),
         capacity_cut=st.integers(0, 3),
+        sharing=st.booleans(),
         flight=st.sampled_from(ReleasePolicy),
         max_wait=st.one_of(st.none(), st.sampled_from([0.0, 2.0])),
         min_shared=st.one_of(st.none(), st.just(1)),
@@ -125,6 +129,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         publish: PublishMode,
         policy: str,
         capacity_cut: int,
+        sharing: bool,
         flight: ReleasePolicy,
         max_wait: float | None,
         min_shared: int | None,
@@ -135,6 +140,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             max_batch_tokens=max_running + extra_tokens,
             max_running=max_running,
             publish=publish,
+            same_step_sharing=sharing,
         )
         capacity = max(num_pages - capacity_cut, 0)
         pol = LRU(capacity) if policy == "lru" else S3FIFO(capacity)
@@ -193,6 +199,24 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert stops
             assert outputs[-1] == _STOP and _STOP not in outputs[:-1]
         assert report.first_token_at is not None and report.first_token_at <= report.finished_at
+
+    @staticmethod
+    def _plan_ids(plan: StepPlan) -> set[RequestId]:
+        return {p.request_id for p in plan.prefills} | {d.request_id for d in plan.decodes}
+
+    def _check_written_before_run(self, plan: StepPlan) -> None:
+        """Before the backend runs ``plan``: every cached block holds its tokens already, or
+        this plan writes its page (it was registered for same-step sharing)."""
+        assert self.cache is not None and self.backend is not None
+        writers = self.backend.writers(plan)
+        for b in self.cache.policy.resident():
+            page = self.cache.page(b)
+            assert page is not None
+            if page in writers:
+                assert self.sched.config.same_step_sharing, f"block {b!r} cached before its KV"
+                continue
+            held = tuple(self.backend.pages[page])
+            assert held == self.block_tokens[b], f"cached page {page} holds {held}"
 
     def _step(self, dt: float) -> bool:
         """Schedule and complete one step; False if the plan was empty."""
@@ -276,8 +300,14 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert self.sched.outstanding is None
             self.plan = None
             return
+        if not cfg.same_step_sharing:
+            assert all(not p.reads_from for p in plan.prefills), "shared without sharing"
+        self._check_written_before_run(plan)
         self.plan = plan
         self.result = self.backend.run(plan)
+        for rid in self._plan_ids(plan):
+            if rid in self.live:
+                self._record_blocks(rid)
 
     @precondition(lambda self: self.plan is not None)
     @rule(dt=st.sampled_from([0.0, 0.5]))
@@ -288,11 +318,6 @@ class SchedulerMachine(RuleBasedStateMachine):
         note(f"complete_step -> {outcome!r}")
         live_ids = [rid for rid, _ in self.result.sampled if rid in self.live]
         assert [rid for rid, _ in outcome.tokens] == live_ids
-        for rid in {p.request_id for p in self.plan.prefills} | {
-            d.request_id for d in self.plan.decodes
-        }:
-            if rid in self.live:
-                self._record_blocks(rid)
         for report in outcome.finished:
             assert report.finish_reason is not FinishReason.ABORTED
             self._check_report(report)
@@ -303,20 +328,25 @@ class SchedulerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.plan is not None)
     @rule(kind=st.sampled_from(["wrong_step", "missing", "extra", "bad_token"]))
     def bad_result(self, kind: str) -> None:
+        """A result that does not answer the plan (rejected by the scheduler) or is malformed
+        (rejected already when it is made): either way, nothing changes."""
         assert self.result is not None
         r = self.result
+        step, sampled = r.step, r.sampled
         match kind:
             case "wrong_step":
-                bad = StepResult(step=r.step + 1, sampled=r.sampled)
+                step += 1
             case "missing":
-                bad = StepResult(step=r.step, sampled=r.sampled[1:])
+                sampled = sampled[1:]
             case "extra":
-                bad = StepResult(step=r.step, sampled=(*r.sampled, ("nobody", 1)))
+                sampled = (*sampled, ("nobody", 1))
             case _:
-                bad = StepResult(step=r.step, sampled=tuple((rid, -1) for rid, _ in r.sampled))
-        if bad == r:
+                sampled = tuple((rid, -1) for rid, _ in sampled)
+        if (step, sampled) == (r.step, r.sampled):
             return  # e.g. nothing sampled in this step: "missing" is the same result
-        self._rejected(lambda: self.sched.complete_step(bad, self.now))
+        self._rejected(
+            lambda: self.sched.complete_step(StepResult(step=step, sampled=sampled), self.now)
+        )
 
     @precondition(lambda self: bool(self.live))
     @rule(data=st.data())
@@ -326,18 +356,53 @@ class SchedulerMachine(RuleBasedStateMachine):
         report = self.sched.abort(rid, self.now)
         assert report.finish_reason is FinishReason.ABORTED
         plan = self.plan
-        if plan is not None and rid in {p.request_id for p in plan.prefills} | {
-            d.request_id for d in plan.decodes
-        }:
+        if plan is not None and rid in self._plan_ids(plan):
             self.aborting.add(rid)
+        assert self.sched.state(rid) is (RequestState.ABORTING if rid in self.aborting else None)
         self._check_report(report)
 
+    @precondition(lambda self: self.plan is not None)
+    @rule(dt=st.sampled_from([0.0, 0.5]))
+    def fail(self, dt: float) -> None:
+        """The step's result never comes: the pages it wrote hold garbage from now on."""
+        assert self.plan is not None and self.backend is not None
+        self.now += dt
+        in_plan = self._plan_ids(self.plan)
+        note("fail_step()")
+        reports = self.sched.fail_step(self.now)
+        assert [r.request_id for r in reports] == [
+            rid for rid in [*(p.request_id for p in self.plan.prefills),
+                            *(d.request_id for d in self.plan.decodes)]
+            if rid in self.live
+        ]  # fmt: skip
+        for report in reports:
+            assert report.finish_reason is FinishReason.ABORTED
+            self._check_report(report)
+        assert not in_plan & set(self.live), "a request of the failed step is still live"
+        for page in self.backend.written:
+            self.backend.pages[page] = [None] * _BLOCK
+        self.plan = None
+        self.result = None
+        self.aborting.clear()
+
     @precondition(lambda self: self.sched is not None)
-    @rule(what=st.sampled_from(["abort_unknown", "time_backwards", "schedule_twice"]))
+    @rule(
+        what=st.sampled_from(
+            ["abort_unknown", "abort_aborting", "time_backwards", "schedule_twice", "no_step"]
+        )
+    )
     def misuse(self, what: str) -> None:
         match what:
             case "abort_unknown":
                 self._rejected(lambda: self.sched.abort(99, self.now))
+            case "abort_aborting":
+                if self.aborting:
+                    rid = min(self.aborting, key=repr)
+                    self._rejected(lambda: self.sched.abort(rid, self.now))
+            case "no_step":
+                if self.plan is None:
+                    self._rejected(lambda: self.sched.complete_step(StepResult(step=0), self.now))
+                    self._rejected(lambda: self.sched.fail_step(self.now))
             case "time_backwards":
                 if self.sched.now > float("-inf") and self.plan is None:
                     self._rejected(lambda: self.sched.schedule(self.sched.now - 1.0))
@@ -394,8 +459,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         assert self.coordinator is not None
         reqs = self.sched.requests()
-        assert set(reqs) == set(self.live)
+        assert set(reqs) == set(self.live) | self.aborting
         places = self.coordinator.placements()
-        assert set(places) == set(reqs), "the coordinator and the scheduler disagree on ids"
+        assert set(places) == set(self.live), "the coordinator and the scheduler disagree on ids"
         for rid, state in reqs.items():
-            assert (state is RequestState.WAITING) == (places[rid] is Placement.WAITING)
+            assert (state is RequestState.ABORTING) == (rid in self.aborting)
+            if rid in self.live:
+                assert (state is RequestState.WAITING) == (places[rid] is Placement.WAITING)

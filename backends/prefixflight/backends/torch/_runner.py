@@ -62,6 +62,13 @@ class TransformersRunner:
     computed once; each copy gets the KV written into its own pages and samples with its own
     settings. `deduplicated_rows` counts them (`deduplicated_tokens`: their tokens).
 
+    Same-step sharing: a prefill whose `PrefillWork.reads_from` names other rows of the step
+    attends over pages those rows write in that step. The fused forward runs the whole step
+    in one pass, whose every layer writes all rows' keys and values before any row attends;
+    otherwise such a row runs in a later forward pass than every one of them (the gather
+    path reads the pool at the start of a pass). A row another row reads from is never
+    deduplicated away.
+
     Attention: ``attention="paged"`` (default) attends over the pool's pages directly;
     ``attention="gather"`` gathers each row's context into a ``DynamicCache`` first. Both
     give the same greedy tokens and, in fp32, the same logits (tested within 1e-4).
@@ -217,17 +224,23 @@ class TransformersRunner:
         The whole plan is validated first: a bad plan raises `UsageError` and writes nothing.
         """
         self._validate(plan)
-        rows = [_Row(p.request_id, p.token_ids, p.start, p.pages, p.sample) for p in plan.prefills]
+        rows = [
+            _Row(p.request_id, p.token_ids, p.start, p.pages, p.sample, p.reads_from)
+            for p in plan.prefills
+        ]
         rows += [_Row(d.request_id, (d.token_id,), d.position, d.pages, True) for d in plan.decodes]
         unique, copies = self._deduplicate(rows)
         computed: dict[RequestId, torch.Tensor] = {}
         logits: dict[RequestId, torch.Tensor] = {}
         with torch.inference_mode():
             forward = self._forward_paged if self.attention == "paged" else self._forward
-            # the fused forward runs a whole step in one pass (flattened tokens, nothing
-            # padded but the short rows' attention); the model's modules pad every row
-            fused = self._fused is not None
-            groups = ([unique] if unique else []) if fused else _batches(unique, self.long_chunk)
+            if self._fused is not None:
+                # one pass for the whole step (flattened tokens, nothing padded but the short
+                # rows' attention; each layer writes every row before any row reads, so a
+                # same-step reader shares the pass with the rows it reads from)
+                groups = [unique] if unique else []
+            else:  # the model's modules pad every row; readers after their writers
+                groups = [g for level in _levels(unique) for g in _batches(level, self.long_chunk)]
             for group in groups:
                 for row, out in zip(group, forward(group), strict=True):
                     computed[row.request_id] = out
@@ -289,15 +302,17 @@ class TransformersRunner:
 
         Only rows that continue from context pages (``start > 0``) are merged: the same
         chunk over the same pages is the same computation. Cold chunks always run, so an
-        uncoordinated baseline stays uncoordinated.
+        uncoordinated baseline stays uncoordinated; so do rows that others read from in this
+        step (a copy is written after every pass, too late for its readers).
         """
         ps = self.pool.page_size
         first: dict[tuple[int, tuple[int, ...], tuple[int, ...]], _Row] = {}
         unique: list[_Row] = []
         copies: list[tuple[_Row, _Row]] = []
+        read = {w for row in rows for w in row.reads_from}
         for row in rows:
-            if not (self.deduplicate and row.start):  # cold chunks are always computed
-                unique.append(row)
+            if not (self.deduplicate and row.start) or row.request_id in read:
+                unique.append(row)  # computed: a cold chunk, or another row reads its pages
                 continue
             key = (row.start, row.tokens, row.pages[: -(-row.start // ps)])
             same = first.get(key)
@@ -437,6 +452,7 @@ class _Row(NamedTuple):
     start: int
     pages: tuple[int, ...]
     sample: bool
+    reads_from: tuple[RequestId, ...] = ()  # rows of this step that write its context
 
 
 class _Kept(NamedTuple):
@@ -461,6 +477,21 @@ class _Kept(NamedTuple):
             ):
                 return False
         return True
+
+
+def _levels(rows: list[_Row]) -> list[list[_Row]]:
+    """Rows by dependency depth, in plan order within each: a row that reads pages other
+    rows write in this step (``reads_from``, always earlier in the plan) is one level
+    deeper than the deepest of them. Without same-step sharing: one level, every row."""
+    depth: dict[RequestId, int] = {}
+    out: list[list[_Row]] = []
+    for row in rows:
+        d = 1 + max((depth[w] for w in row.reads_from if w in depth), default=-1)
+        depth[row.request_id] = d
+        if d == len(out):
+            out.append([])
+        out[d].append(row)
+    return out
 
 
 def _batches(rows: list[_Row], long_chunk: int) -> list[list[_Row]]:

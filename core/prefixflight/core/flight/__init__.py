@@ -33,9 +33,11 @@ from ._scheduler import (
     RequestState,
     Role,
     Scheduler,
+    SchedulerCall,
     SchedulerConfig,
     SchedulerStats,
     StepOutcome,
+    StepPhase,
 )
 
 __all__ = [
@@ -67,9 +69,11 @@ __all__ = [
     "RequestState",
     "Role",
     "Scheduler",
+    "SchedulerCall",
     "SchedulerConfig",
     "SchedulerStats",
     "StepOutcome",
+    "StepPhase",
     "StepPlan",
     "StepResult",
     "Tick",

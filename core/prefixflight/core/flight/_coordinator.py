@@ -24,15 +24,17 @@ import sys
 from array import array
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, ClassVar, Final, TypeAlias, final
+from typing import ClassVar, Final, TypeAlias, final
 
 import attrs
 
 from .._errors import ConfigError, UsageError
 from .._validate import (
     assert_never,
+    check_instance,
     check_int,
     check_time,
+    instance_field,
     int_field,
     request_id_field,
     time_field,
@@ -103,14 +105,6 @@ def _blocks(value: Iterable[BlockHash]) -> tuple[BlockHash, ...]:
     return out
 
 
-def _instance(cls: type) -> Any:
-    def check(_inst: object, attribute: Any, value: object) -> None:
-        if not isinstance(value, cls):
-            raise UsageError(f"{attribute.name} must be a {cls.__name__}, got {value!r}")
-
-    return check
-
-
 @final
 @attrs.frozen
 class FlightKey:
@@ -120,8 +114,8 @@ class FlightKey:
     practical purpose and cheap to hash), with their count.
     """
 
-    namespace: bytes = attrs.field(validator=_instance(bytes))
-    digest: bytes = attrs.field(validator=_instance(bytes))
+    namespace: bytes = attrs.field(validator=instance_field(bytes, error=UsageError))
+    digest: bytes = attrs.field(validator=instance_field(bytes, error=UsageError))
     num_tokens: int = attrs.field(validator=int_field(0, error=UsageError))
 
     @classmethod
@@ -142,17 +136,19 @@ class FlightKey:
 
 
 # -- events ------------------------------------------------------------------------------
+@final
 @attrs.frozen(kw_only=True)
 class Arrived:
     """A request arrived. ``blocks`` (its chained full-block hashes) are only needed for
     partial-prefix coordination."""
 
     request_id: RequestId = attrs.field(validator=request_id_field())
-    key: FlightKey = attrs.field(validator=_instance(FlightKey))
+    key: FlightKey = attrs.field(validator=instance_field(FlightKey, error=UsageError))
     now: float = attrs.field(validator=time_field())
     blocks: tuple[BlockHash, ...] = attrs.field(default=(), converter=_blocks)
 
 
+@final
 @attrs.frozen(kw_only=True)
 class Progress:
     """A request has published its first ``published_blocks`` full prompt blocks."""
@@ -162,6 +158,7 @@ class Progress:
     now: float = attrs.field(validator=time_field())
 
 
+@final
 @attrs.frozen(kw_only=True)
 class PrefillDone:
     """A request's prompt is computed and its full prompt blocks are published."""
@@ -170,6 +167,7 @@ class PrefillDone:
     now: float = attrs.field(validator=time_field())
 
 
+@final
 @attrs.frozen(kw_only=True)
 class Finished:
     """A request ended normally."""
@@ -178,6 +176,7 @@ class Finished:
     now: float = attrs.field(validator=time_field())
 
 
+@final
 @attrs.frozen(kw_only=True)
 class Aborted:
     """A request was aborted or failed (before or after its prefill)."""
@@ -186,6 +185,7 @@ class Aborted:
     now: float = attrs.field(validator=time_field())
 
 
+@final
 @attrs.frozen(kw_only=True)
 class Tick:
     """Time passed: followers that waited longer than ``max_wait`` are released."""
@@ -198,6 +198,7 @@ _EVENT_TYPES = (Arrived, Progress, PrefillDone, Finished, Aborted, Tick)
 
 
 # -- decisions ---------------------------------------------------------------------------
+@final
 @attrs.frozen(kw_only=True)
 class Lead:
     """The request leads ``flight``: admit it, it computes the prompt."""
@@ -206,6 +207,7 @@ class Lead:
     flight: int
 
 
+@final
 @attrs.frozen(kw_only=True)
 class Wait:
     """The request waits in ``flight`` without pages. ``blocks`` is how many leading blocks
@@ -216,6 +218,7 @@ class Wait:
     blocks: int | None = None
 
 
+@final
 @attrs.frozen(kw_only=True)
 class Independent:
     """The request is not coordinated: admit it, it computes on its own."""
@@ -223,6 +226,7 @@ class Independent:
     request_id: RequestId
 
 
+@final
 @attrs.frozen(kw_only=True)
 class Release:
     """These waiting requests may be admitted now (oldest first); they look the prefix up."""
@@ -232,6 +236,7 @@ class Release:
     reason: ReleaseReason
 
 
+@final
 @attrs.frozen(kw_only=True)
 class Promote:
     """The leader left before publishing: this follower (the oldest) leads ``flight`` now;
@@ -299,6 +304,7 @@ _VERBS: Final[Mapping[type[FlightEvent], str]] = {
 }
 
 
+@final
 @attrs.frozen(kw_only=True)
 class FlightConfig:
     """How the coordinator behaves.
@@ -316,8 +322,7 @@ class FlightConfig:
     block_size: int = 16
 
     def __attrs_post_init__(self) -> None:
-        if not isinstance(self.policy, ReleasePolicy):
-            raise ConfigError(f"policy must be a ReleasePolicy, got {self.policy!r}")
+        check_instance("policy", self.policy, ReleasePolicy)
         if self.max_wait is not None:
             mw = check_time("max_wait", self.max_wait, error=ConfigError)
             if mw < 0:
@@ -327,6 +332,7 @@ class FlightConfig:
         check_int("block_size", self.block_size, minimum=1)
 
 
+@final
 @attrs.frozen(kw_only=True)
 class FlightStats:
     """Counters since the coordinator was made (times in the events' units)."""
@@ -414,8 +420,7 @@ class FlightCoordinator:
 
     def __init__(self, config: FlightConfig | None = None) -> None:
         self._config = FlightConfig() if config is None else config
-        if not isinstance(self._config, FlightConfig):
-            raise ConfigError(f"config must be a FlightConfig, got {config!r}")
+        check_instance("config", self._config, FlightConfig)
         self._flights: dict[int, _Flight] = {}
         self._by_key: dict[FlightKey, _Flight] = {}
         self._leading: dict[RequestId, _Flight] = {}

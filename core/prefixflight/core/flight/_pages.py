@@ -44,6 +44,7 @@ def pages_for(num_prompt: int, max_new: int, block_size: int) -> int:
     return -(-positions // block_size)
 
 
+@final
 @attrs.define(eq=False, slots=True)
 class PageCounters:
     """The pool's share of `SchedulerStats` (same names)."""
@@ -199,6 +200,27 @@ class PagePool:
             removed = cache.remove(h)
             assert removed == page
             self._unlink(h)
+
+    def withdraw(self, blocks: Iterable[BlockHash]) -> None:
+        """Take cached blocks whose KV was never written (a failed step registered them) out
+        of the cache with their cached descendants, deepest first, and free their pages.
+
+        None of them may be pinned; a block already gone (taken with an ancestor) is skipped.
+        """
+        cache = self._cache
+        children = self._children
+        for block in blocks:
+            if block not in cache:
+                continue
+            order = [block]  # the block, then its descendants (parents before children)
+            for b in order:
+                order.extend(children.get(b, ()))
+            for b in reversed(order):
+                assert b not in self._pins, f"withdrawn block {b!r} is pinned"
+                page = cache.remove(b)
+                assert page is not None, "every cached block holds a page"
+                self._unlink(b)
+                self._free.append(page)
 
     # -- reclamation ---------------------------------------------------------------------
     def _unlink(self, block: BlockHash) -> None:

@@ -6,8 +6,17 @@ Per step it hands out a `StepPlan`: which requests prefill which token range on 
 (reused pages first), which decode one token. The host runs the plan on a backend and
 reports the `StepResult`; the scheduler then appends the sampled tokens, publishes newly
 completed full blocks (incremental publication), tells the `FlightCoordinator` about
-finished prefills and requests, admits released followers, and frees the pages of finished
-requests.
+finished requests, admits released followers, and frees the pages of finished requests.
+
+Same-step sharing (``SchedulerConfig.same_step_sharing``, on by default): the full blocks a
+prefill chunk completes are registered in the cache when the chunk is planned, as vLLM
+registers a block when it allocates it, and the coordinator hears of the prefill's progress
+then. A request admitted later in the same step, or a follower released by that progress,
+reuses those blocks while the step writes them: its `PrefillWork.reads_from` names the
+writers, and the backend writes their KV before it attends. So requests that arrive together
+never compute a shared prefix twice, and a flight's followers start in the step that
+finishes their leader's prompt. A step that fails (`Scheduler.fail_step`) takes its
+registered blocks back out of the cache.
 
 Admission gives a request its whole page table at once (``ceil((prompt + max_new_tokens - 1)
 / block_size)`` pages: the cached pages of the longest resident prefix it may reuse, then
@@ -17,14 +26,18 @@ first served) and nothing else changes. Reuse is clamped to ``(prompt_tokens - 1
 block_size`` blocks: the last prompt token is always computed (its logits start decoding)
 and is never written into a shared page. Which pages, pins and chain-aware eviction are the
 `PagePool`'s (``_pages.py``); this module decides when: admission and step planning.
+
+Every request's state is one explicit `RequestState`; which calls each state accepts, and
+where they lead, is one literal table, `TRANSITIONS` (and `STEP_TRANSITIONS` for the step
+in flight), checked before any call changes anything.
 """
 
 from __future__ import annotations
 
 import enum
 from collections import deque
-from collections.abc import Iterable, Sequence
-from typing import final
+from collections.abc import Iterable, Mapping, Sequence
+from typing import ClassVar, Final, final
 
 import attrs
 
@@ -65,6 +78,8 @@ from ._pages import PagePool, pages_for
 from ._plan import DecodeWork, PrefillWork, RequestId, StepPlan, StepResult
 
 __all__ = [
+    "STEP_TRANSITIONS",
+    "TRANSITIONS",
     "FinishReason",
     "PageUsage",
     "PublishMode",
@@ -72,9 +87,11 @@ __all__ = [
     "RequestState",
     "Role",
     "Scheduler",
+    "SchedulerCall",
     "SchedulerConfig",
     "SchedulerStats",
     "StepOutcome",
+    "StepPhase",
 ]
 
 
@@ -82,10 +99,13 @@ class PublishMode(enum.Enum):
     """When a request's computed full blocks become reusable by others."""
 
     PER_STEP = "per_step"
-    """After every step, every newly completed full block (incremental publication)."""
+    """Every full block as soon as it is computed (incremental publication): with same-step
+    sharing a prefill's blocks when the step that computes them is planned, otherwise after
+    that step; a decode's after its step."""
     ON_COMPLETION = "on_completion"
     """When the request ends (the baseline). A flight leader still publishes its prompt
-    blocks when its prefill completes: that is what releasing its followers means."""
+    blocks when its prefill completes (or, with same-step sharing, when its last chunk is
+    planned): that is what releasing its followers means."""
 
 
 class Role(enum.Enum):
@@ -105,7 +125,7 @@ class Role(enum.Enum):
 
 
 class RequestState(enum.Enum):
-    """Where a request is in the scheduler."""
+    """Where a request is in the scheduler: exactly one of these (see `TRANSITIONS`)."""
 
     WAITING = "waiting"
     """A follower waiting in a flight (holds no pages)."""
@@ -113,6 +133,102 @@ class RequestState(enum.Enum):
     """Waiting for admission (holds no pages)."""
     RUNNING = "running"
     """Admitted: holds its page table; prefilling or decoding."""
+    ABORTING = "aborting"
+    """Aborted while the outstanding step includes it: its report is out, but the backend
+    may still be writing its pages, so it holds them (and its id) until that step completes
+    or fails."""
+
+
+class SchedulerCall(enum.Enum):
+    """The calls that move requests: the columns of `TRANSITIONS` and `STEP_TRANSITIONS`."""
+
+    ADD_REQUEST = "add_request"
+    ABORT = "abort"
+    SCHEDULE = "schedule"
+    COMPLETE_STEP = "complete_step"
+    FAIL_STEP = "fail_step"
+
+
+class StepPhase(enum.Enum):
+    """Whether a step is in flight (`Scheduler.phase`)."""
+
+    IDLE = "idle"
+    """No step is outstanding: `Scheduler.schedule` may hand out the next plan."""
+    OUTSTANDING = "outstanding"
+    """A plan is out: `Scheduler.complete_step` (its result) or `Scheduler.fail_step` (no
+    result will come) closes it."""
+
+
+_WAITING, _QUEUED = RequestState.WAITING, RequestState.QUEUED
+_RUNNING, _ABORTING = RequestState.RUNNING, RequestState.ABORTING
+_ADD, _ABORT = SchedulerCall.ADD_REQUEST, SchedulerCall.ABORT
+_SCHEDULE, _COMPLETE, _FAIL = (
+    SchedulerCall.SCHEDULE,
+    SchedulerCall.COMPLETE_STEP,
+    SchedulerCall.FAIL_STEP,
+)
+_IDLE, _OUTSTANDING = StepPhase.IDLE, StepPhase.OUTSTANDING
+
+TRANSITIONS: Final[
+    Mapping[RequestState | None, Mapping[SchedulerCall, frozenset[RequestState | None]]]
+] = {
+    # state of a request -> {call: where that request may be afterwards} (None: unknown,
+    # never seen or ended). add_request and abort name a request: a pair not listed is
+    # rejected with `UsageError` before anything changes. schedule, complete_step and
+    # fail_step name none (`STEP_TRANSITIONS` says when they are legal): the row says where
+    # every request in that state may go.
+    None: {
+        _ADD: frozenset({_QUEUED, _WAITING}),  # WAITING: it follows an open flight
+        _SCHEDULE: frozenset({None}),  # a step call never brings a request in
+        _COMPLETE: frozenset({None}),
+        _FAIL: frozenset({None}),
+    },
+    _WAITING: {
+        _ABORT: frozenset({None}),
+        # released (its leader's last chunk is planned, or it waited max_wait), then
+        # admitted in that same step when pages and budget allow
+        _SCHEDULE: frozenset({_WAITING, _QUEUED, _RUNNING}),
+        _COMPLETE: frozenset({_WAITING, _QUEUED}),  # its leader finished (or its prefill did)
+        _FAIL: frozenset({_WAITING, _QUEUED}),  # its leader failed with the step
+    },
+    _QUEUED: {
+        _ABORT: frozenset({None}),
+        _SCHEDULE: frozenset({_QUEUED, _RUNNING}),  # admitted, or still waiting for pages
+        _COMPLETE: frozenset({_QUEUED}),
+        _FAIL: frozenset({_QUEUED}),
+    },
+    _RUNNING: {
+        _ABORT: frozenset({None, _ABORTING}),  # ABORTING if the outstanding step includes it
+        _SCHEDULE: frozenset({_RUNNING}),
+        _COMPLETE: frozenset({_RUNNING, None}),  # None: it sampled a stop token or its last
+        _FAIL: frozenset({_RUNNING, None}),  # None: the failed step included it (aborted)
+    },
+    _ABORTING: {
+        _COMPLETE: frozenset({None}),  # its pages come back with the step
+        _FAIL: frozenset({None}),
+    },
+}
+"""The legal (request state x call) pairs of `Scheduler`, and the states each leads to.
+
+One more move happens outside the named request's row: a request ``WAITING`` in a flight
+becomes ``QUEUED`` whenever the `FlightCoordinator` releases or promotes it (its leader
+aborted, or it waited ``max_wait``), which any call that carries a time can trigger."""
+
+STEP_TRANSITIONS: Final[Mapping[StepPhase, Mapping[SchedulerCall, frozenset[StepPhase]]]] = {
+    # phase -> {legal call: the phase afterwards}; a call not listed raises `UsageError`
+    _IDLE: {
+        _ADD: frozenset({_IDLE}),
+        _ABORT: frozenset({_IDLE}),
+        _SCHEDULE: frozenset({_IDLE, _OUTSTANDING}),  # an empty plan is not outstanding
+    },
+    _OUTSTANDING: {
+        _ADD: frozenset({_OUTSTANDING}),
+        _ABORT: frozenset({_OUTSTANDING}),
+        _COMPLETE: frozenset({_IDLE}),
+        _FAIL: frozenset({_IDLE}),
+    },
+}
+"""The legal (step phase x call) pairs of `Scheduler`: one plan at a time."""
 
 
 class FinishReason(enum.Enum):
@@ -123,6 +239,7 @@ class FinishReason(enum.Enum):
     ABORTED = "aborted"
 
 
+@final
 @attrs.frozen(kw_only=True)
 class SchedulerConfig:
     """Pool and batching limits.
@@ -131,6 +248,11 @@ class SchedulerConfig:
     least ``max_running`` so every running request can decode in every step.
     ``vocab_size``: if given, every prompt, stop and sampled token id must be below it
     (checked before anything changes); otherwise token ids are ints in ``[0, 2**63)``.
+    ``same_step_sharing``: register the blocks a prefill chunk completes when the chunk is
+    planned, so a request admitted later in the same step reads them as they are written
+    (`PrefillWork.reads_from`; the backend writes them first). ``False`` registers them
+    after the step: for a backend that cannot order its rows (every plan then has empty
+    ``reads_from``).
     """
 
     num_pages: int = attrs.field(validator=int_field(1))
@@ -141,11 +263,13 @@ class SchedulerConfig:
         default=PublishMode.PER_STEP, validator=instance_field(PublishMode)
     )
     vocab_size: int | None = attrs.field(default=None, validator=optional_int_field(1))
+    same_step_sharing: bool = attrs.field(default=True, validator=instance_field(bool))
 
     def __attrs_post_init__(self) -> None:
         check_int("max_batch_tokens", self.max_batch_tokens, minimum=self.max_running)
 
 
+@final
 @attrs.frozen(kw_only=True)
 class RequestReport:
     """Per-request metrics, returned when a request finishes or is aborted.
@@ -185,6 +309,7 @@ class RequestReport:
         return self.finished_at - self.arrived_at
 
 
+@final
 @attrs.frozen(kw_only=True)
 class StepOutcome:
     """What `Scheduler.complete_step` did: the tokens it appended and the requests that ended."""
@@ -194,6 +319,7 @@ class StepOutcome:
     finished: tuple[RequestReport, ...]
 
 
+@final
 @attrs.frozen(kw_only=True)
 class SchedulerStats:
     """Counters since the scheduler was made."""
@@ -236,6 +362,7 @@ class SchedulerStats:
         return attrs.asdict(self)
 
 
+@final
 @attrs.frozen(kw_only=True)
 class PageUsage:
     """Where the pool's pages are; ``free + cached + private == total`` always."""
@@ -306,6 +433,17 @@ class _Counters:
     prefix_query_tokens: int = 0
 
 
+@attrs.define(eq=False, slots=True)
+class _Draft:
+    """The plan `Scheduler.schedule` is building."""
+
+    budget: int
+    prefills: list[PrefillWork] = attrs.Factory(list)
+    decodes: list[DecodeWork] = attrs.Factory(list)
+    written: dict[BlockHash, RequestId] = attrs.Factory(dict)
+    """Blocks registered by this plan whose pages it writes -> the request writing them."""
+
+
 @final
 class Scheduler:
     """Continuous batching with chunked prefill, prefix reuse and single-flight coordination.
@@ -313,9 +451,16 @@ class Scheduler:
     ``cache`` must be empty and use ``config.block_size``; it defaults to an LRU cache with
     room for every page. ``coordinator`` defaults to one with `ReleasePolicy.INDEPENDENT`
     (no coordination). The scheduler is sans-I/O: time is the host's ``now`` value passed to
-    every call, and it must never go backwards. A rejected call raises `UsageError` and
-    leaves the state unchanged.
+    every call, and it must never go backwards. A rejected call (see `TRANSITIONS` and
+    `STEP_TRANSITIONS`) raises `UsageError` and leaves the state unchanged.
     """
+
+    TRANSITIONS: ClassVar[
+        Mapping[RequestState | None, Mapping[SchedulerCall, frozenset[RequestState | None]]]
+    ] = TRANSITIONS
+    STEP_TRANSITIONS: ClassVar[Mapping[StepPhase, Mapping[SchedulerCall, frozenset[StepPhase]]]] = (
+        STEP_TRANSITIONS
+    )
 
     __slots__ = (
         "_aborting",
@@ -325,12 +470,14 @@ class Scheduler:
         "_flight_waiting",
         "_hashers",
         "_leaders",
-        "_live",
         "_next_step",
         "_now",
         "_outstanding",
+        "_planned",
         "_pool",
         "_queue",
+        "_registered",
+        "_requests",
         "_running",
         "_stats",
     )
@@ -371,12 +518,15 @@ class Scheduler:
         self._pool = PagePool(config.num_pages, cache)
         self._leaders: dict[int, _Request] = {}  # flight id -> its leader, until the leader ends
         self._hashers: dict[bytes, BlockHasher] = {}
-        self._queue: deque[_Request] = deque()
-        self._flight_waiting: dict[RequestId, _Request] = {}
-        self._running: dict[RequestId, _Request] = {}
-        self._live: dict[RequestId, _Request] = {}  # waiting, queued or running
-        self._aborting: dict[RequestId, _Request] = {}  # aborted while in the outstanding plan
+        # every request the scheduler holds, by id, and its place (one per state)
+        self._requests: dict[RequestId, _Request] = {}
+        self._flight_waiting: dict[RequestId, _Request] = {}  # WAITING
+        self._queue: deque[_Request] = deque()  # QUEUED, in admission order
+        self._running: dict[RequestId, _Request] = {}  # RUNNING
+        self._aborting: dict[RequestId, _Request] = {}  # ABORTING
         self._outstanding: StepPlan | None = None
+        self._planned: frozenset[RequestId] = frozenset()  # the outstanding plan's requests
+        self._registered: tuple[BlockHash, ...] = ()  # blocks the outstanding plan writes
         self._next_step = 0
         self._now = float("-inf")
         self._stats = _Counters()
@@ -411,18 +561,24 @@ class Scheduler:
         return self._outstanding
 
     @property
+    def phase(self) -> StepPhase:
+        """Whether a plan is outstanding (see `STEP_TRANSITIONS`)."""
+        return _IDLE if self._outstanding is None else _OUTSTANDING
+
+    @property
     def has_unfinished(self) -> bool:
-        """Whether any request is waiting, queued or running."""
-        return bool(self._queue or self._flight_waiting or self._running or self._aborting)
+        """Whether any request is waiting, queued, running or aborting."""
+        return bool(self._requests)
 
     def state(self, request_id: RequestId) -> RequestState | None:
         """Where ``request_id`` is, or ``None`` if unknown or ended."""
-        req = self._live.get(request_id)
+        req = self._requests.get(request_id)
         return None if req is None else req.state
 
     def requests(self) -> dict[RequestId, RequestState]:
-        """A copy: every live request and where it is."""
-        return {rid: req.state for rid, req in self._live.items()}
+        """A copy: every request the scheduler holds and its state (an aborted one stays,
+        ``ABORTING``, until the step that includes it completes)."""
+        return {rid: req.state for rid, req in self._requests.items()}
 
     def page_table(self, request_id: RequestId) -> tuple[int, ...]:
         """The page table of a running request."""
@@ -460,8 +616,130 @@ class Scheduler:
         share blocks or flights.
         """
         check_request_id("request_id", request_id)
-        if request_id in self._live or request_id in self._aborting:
-            raise UsageError(f"duplicate request id {request_id!r}: it is already live")
+        self._check_call(_ADD, request_id)
+        req = self._new_request(
+            request_id, prompt_token_ids, max_new_tokens, namespace, stop_token_ids, now
+        )
+        self._arrive(req)
+        return req.state
+
+    def abort(self, request_id: RequestId, now: float) -> RequestReport:
+        """End a live request now; return its report. Its pages are freed at once, or, if
+        the outstanding step includes it, when that step completes (it is ``ABORTING``
+        until then)."""
+        req = self._check_call(_ABORT, request_id)
+        assert req is not None
+        now = self._check_now(now)
+        decisions = self._coordinator.handle(Aborted(request_id=request_id, now=now))
+        self._now = now
+        self._apply_all(decisions)  # first: a timeout may have released this very request
+        return self._drop(req)
+
+    # -- the step loop -------------------------------------------------------------------
+    def schedule(self, now: float) -> StepPlan:
+        """The next step's plan. An empty plan (nothing to run now) needs no
+        `complete_step`; otherwise the plan is outstanding until its result is reported."""
+        self._check_call(_SCHEDULE)
+        now = self._check_now(now)
+        self._apply_all(self._coordinator.handle(Tick(now=now)))
+        self._now = now
+        draft = _Draft(budget=self._config.max_batch_tokens)
+        prefilling = self._plan_decodes(draft)
+        for req in prefilling:
+            if draft.budget <= 0:
+                break
+            self._plan_chunk(req, draft, now)
+        self._admit_queued(draft, now)
+        plan = StepPlan(
+            step=self._next_step, prefills=tuple(draft.prefills), decodes=tuple(draft.decodes)
+        )
+        if not plan.is_empty:
+            self._outstanding = plan
+            self._planned = frozenset(
+                [*(p.request_id for p in plan.prefills), *(d.request_id for d in plan.decodes)]
+            )
+            self._registered = tuple(draft.written)
+            self._next_step += 1
+        return plan
+
+    def complete_step(self, result: StepResult, now: float) -> StepOutcome:
+        """Report the outstanding plan's result: append tokens, publish, release, finish."""
+        self._check_call(_COMPLETE)
+        plan = self._outstanding
+        assert plan is not None
+        check_instance("result", result, StepResult, error=UsageError)
+        sampled = result.tokens_for(plan, vocab_size=self._config.vocab_size)
+        now = self._check_now(now)
+        # everything is checked: from here on the step is applied
+        self._now = now
+        self._outstanding = None
+        self._stats.steps += 1
+        touched, prefilled, tokens = self._advance(plan, sampled, now)
+        done = self._ending(touched)
+        self._publish_computed(touched, done)
+        if not self._config.same_step_sharing:
+            self._report_progress(touched, prefilled, now)
+        reports = [self._finish(req, reason, plan.step, now) for req, reason in done]
+        self._close_step()
+        return StepOutcome(step=plan.step, tokens=tuple(tokens), finished=tuple(reports))
+
+    def fail_step(self, now: float) -> tuple[RequestReport, ...]:
+        """The outstanding step failed: its result will never come (e.g. the backend
+        raised). Every request of the plan that is still running is aborted (their reports
+        are returned, in plan order); the blocks the plan registered for same-step sharing
+        leave the cache, as their KV may never have been written; the plan's pages come
+        back. Requests outside the plan are untouched and scheduling can go on."""
+        self._check_call(_FAIL)
+        plan = self._outstanding
+        assert plan is not None
+        now = self._check_now(now)
+        self._now = now
+        reports = []
+        for rid in [*(p.request_id for p in plan.prefills), *(d.request_id for d in plan.decodes)]:
+            req = self._running.get(rid)
+            if req is not None:  # not aborted already
+                self._apply_all(self._coordinator.handle(Aborted(request_id=rid, now=now)))
+                reports.append(self._drop(req))
+        self._outstanding = None
+        self._close_step(failed=True)
+        return tuple(reports)
+
+    # -- internals: calls and states -------------------------------------------------------
+    def _check_call(
+        self, call: SchedulerCall, request_id: RequestId | None = None
+    ) -> _Request | None:
+        """Reject ``call`` unless the step phase (and the named request's state) allows it;
+        return the named request, if it is known."""
+        phase = self.phase
+        if call not in STEP_TRANSITIONS[phase]:
+            plan = self._outstanding
+            if plan is not None:
+                raise UsageError(f"step {plan.step} is outstanding: report its result first")
+            raise UsageError(f"no step is outstanding: {call.value} needs one")
+        if request_id is None:
+            return None
+        req = self._requests.get(request_id)
+        state = None if req is None else req.state
+        if call not in TRANSITIONS[state]:
+            if state is None:
+                raise UsageError(f"unknown request id {request_id!r}: it cannot {call.value}")
+            if call is _ADD:
+                raise UsageError(
+                    f"duplicate request id {request_id!r}: it is already {state.value}"
+                )
+            raise UsageError(f"request {request_id!r} is {state.value}: it cannot {call.value}")
+        return req
+
+    def _new_request(
+        self,
+        request_id: RequestId,
+        prompt_token_ids: Sequence[int],
+        max_new_tokens: int,
+        namespace: str | bytes,
+        stop_token_ids: Iterable[int],
+        now: float,
+    ) -> _Request:
+        """Check a new request's inputs and build it; nothing changes here."""
         cfg = self._config
         vocab = cfg.vocab_size
         where = f"request {request_id!r}: "
@@ -474,7 +752,7 @@ class Scheduler:
         stop = frozenset(
             check_token_ids(where + "stop_token_ids", stop_token_ids, vocab_size=vocab, minimum=0)
         )
-        now = self._check_now(now)
+        checked_now = self._check_now(now)
         bs = cfg.block_size
         need = pages_for(len(prompt), max_new_tokens, bs)
         if need > cfg.num_pages:
@@ -483,91 +761,86 @@ class Scheduler:
                 f"({len(prompt)} prompt + {max_new_tokens} new tokens) but the pool has "
                 f"{cfg.num_pages}"
             )
-        if not isinstance(namespace, (str, bytes)):
-            raise UsageError(
-                f"request {request_id!r}: namespace must be str or bytes, got {namespace!r}"
-            )
-        ns = namespace.encode("utf-8") if isinstance(namespace, str) else namespace
+        try:
+            key = FlightKey.of(prompt, namespace)  # the one check of a namespace
+        except UsageError as exc:
+            raise UsageError(where + str(exc)) from None
+        ns = key.namespace
         hasher = self._hashers.get(ns)
         if hasher is None:
             hasher = self._hashers[ns] = BlockHasher(bs, namespace=ns)
         blocks = hasher.hash_tokens(prompt)
-        key = FlightKey.of(prompt, ns)
-        req = _Request(request_id, prompt, ns, max_new_tokens, stop, now, blocks, key, list(blocks))
+        return _Request(
+            request_id, prompt, ns, max_new_tokens, stop, checked_now, blocks, key, list(blocks)
+        )
+
+    def _arrive(self, req: _Request) -> None:
+        """Tell the coordinator; the request leads, follows or runs on its own."""
         partial = self._coordinator.config.min_shared_blocks is not None
         decisions = self._coordinator.handle(
-            Arrived(request_id=request_id, key=key, now=now, blocks=blocks if partial else ())
+            Arrived(
+                request_id=req.id,
+                key=req.key,
+                now=req.arrived_at,
+                blocks=req.blocks if partial else (),
+            )
         )
-        self._now = now
-        self._live[request_id] = req
+        self._now = req.arrived_at
+        self._requests[req.id] = req
         for d in decisions:
             match d:
-                case Lead() if d.request_id == request_id:
+                case Lead() if d.request_id == req.id:
                     req.role = Role.LEADER
                     req.flight = d.flight
                     self._leaders[d.flight] = req
                     self._queue.append(req)
-                case Independent() if d.request_id == request_id:
+                case Independent() if d.request_id == req.id:
                     self._queue.append(req)
-                case Wait() if d.request_id == request_id:
+                case Wait() if d.request_id == req.id:
                     req.role = Role.FOLLOWER
                     req.waited = True
-                    req.state = RequestState.WAITING
-                    self._flight_waiting[request_id] = req
+                    req.state = _WAITING
+                    self._flight_waiting[req.id] = req
                     leader = self._leaders.get(d.flight)
                     if leader is not None:
                         leader.followed = True
                 case _:
                     self._apply(d)
-        return req.state
 
-    def abort(self, request_id: RequestId, now: float) -> RequestReport:
-        """End a live request now; return its report. Its pages are freed at once, or when
-        the outstanding step completes if that step includes it."""
-        req = self._live.get(request_id)
-        if req is None:
-            raise UsageError(f"unknown request id {request_id!r}")
-        now = self._check_now(now)
-        decisions = self._coordinator.handle(Aborted(request_id=request_id, now=now))
-        self._now = now
-        self._apply_all(decisions)  # first: a timeout may have released this very request
-        del self._live[request_id]
-        self._forget_flight(req)
+    def _drop(self, req: _Request) -> RequestReport:
+        """Abort ``req`` (the coordinator knows already): out of its place; its pages are
+        freed now, or when the outstanding step that includes it ends (``ABORTING``)."""
+        rid = req.id
         match req.state:
             case RequestState.WAITING:
-                del self._flight_waiting[request_id]
+                del self._flight_waiting[rid]
+                del self._requests[rid]
             case RequestState.QUEUED:
                 self._queue.remove(req)
+                del self._requests[rid]
             case RequestState.RUNNING:
-                del self._running[request_id]
-                if self._in_outstanding(request_id):
-                    self._aborting[request_id] = req
+                del self._running[rid]
+                if rid in self._planned:
+                    req.state = _ABORTING
+                    self._aborting[rid] = req
                 else:
                     self._end(req)
+                    del self._requests[rid]
+            case RequestState.ABORTING:  # pragma: no cover  # the table rejects it
+                raise AssertionError(f"request {rid!r} is aborting already")
             case _:
                 assert_never(req.state)
+        self._forget_flight(req)
         self._stats.aborted += 1
         return self._report(req, FinishReason.ABORTED, None)
 
-    # -- the step loop -------------------------------------------------------------------
-    def schedule(self, now: float) -> StepPlan:
-        """The next step's plan. An empty plan (nothing to run now) needs no
-        `complete_step`; otherwise the plan is outstanding until its result is reported."""
-        if self._outstanding is not None:
-            raise UsageError(
-                f"step {self._outstanding.step} is outstanding: report its result first"
-            )
-        now = self._check_now(now)
-        self._apply_all(self._coordinator.handle(Tick(now=now)))
-        self._now = now
-        cfg = self._config
-        budget = cfg.max_batch_tokens
-        decodes: list[DecodeWork] = []
-        prefills: list[PrefillWork] = []
+    # -- internals: planning a step --------------------------------------------------------
+    def _plan_decodes(self, draft: _Draft) -> list[_Request]:
+        """Every running request whose prompt is done decodes; return the ones prefilling."""
         prefilling: list[_Request] = []
         for req in self._running.values():
             if req.prompt_done:
-                decodes.append(
+                draft.decodes.append(
                     DecodeWork(
                         request_id=req.id,
                         token_id=req.output[-1],
@@ -577,68 +850,78 @@ class Scheduler:
                 )
             else:
                 prefilling.append(req)
-        budget -= len(decodes)
-        for req in prefilling:
-            if budget <= 0:
-                break
-            budget -= self._chunk(req, budget, prefills)
+        draft.budget -= len(draft.decodes)
+        return prefilling
+
+    def _admit_queued(self, draft: _Draft, now: float) -> None:
+        """Admit from the head of the queue while budget, running slots and pages allow."""
         queue = self._queue
-        while queue and budget > 0 and len(self._running) < cfg.max_running:
+        max_running = self._config.max_running
+        while queue and draft.budget > 0 and len(self._running) < max_running:
             req = queue[0]
             if not self._admit(req, now):
                 self._stats.admission_stalls += 1
                 break
             queue.popleft()
-            budget -= self._chunk(req, budget, prefills)
-        plan = StepPlan(step=self._next_step, prefills=tuple(prefills), decodes=tuple(decodes))
-        if not plan.is_empty:
-            self._outstanding = plan
-            self._next_step += 1
-        return plan
+            reads: tuple[RequestId, ...] = ()
+            if draft.written:  # it may reuse blocks this very step writes
+                writers = (draft.written.get(h) for h in req.pinned)
+                reads = tuple(dict.fromkeys(w for w in writers if w is not None))
+            self._plan_chunk(req, draft, now, reads)
 
-    def complete_step(self, result: StepResult, now: float) -> StepOutcome:
-        """Report the outstanding plan's result: append tokens, publish, release, finish."""
-        plan = self._outstanding
-        if plan is None:
-            raise UsageError("no step is outstanding")
-        if not isinstance(result, StepResult):
-            raise UsageError(f"result must be a StepResult, got {result!r}")
-        if result.step != plan.step:
-            raise UsageError(f"result is for step {result.step!r}, outstanding is {plan.step}")
-        sampled: dict[RequestId, int] = {}
-        for pair in result.sampled:
-            if not isinstance(pair, tuple) or len(pair) != 2 or not isinstance(pair[0], (int, str)):
-                raise UsageError(
-                    f"step {plan.step}: sampled entries must be (request_id, token), got {pair!r}"
-                )
-            rid, tok = pair
-            if rid in sampled:
-                raise UsageError(f"step {plan.step}: request {rid!r} sampled twice")
-            sampled[rid] = tok
-        self._check_sampled(plan.step, result.sampled)
-        expected = {p.request_id for p in plan.prefills if p.sample}
-        expected.update(d.request_id for d in plan.decodes)
-        if sampled.keys() != expected:
-            missing = sorted(map(repr, expected - sampled.keys()))
-            extra = sorted(map(repr, sampled.keys() - expected))
-            raise UsageError(
-                f"step {plan.step}: sampled ids do not match the plan "
-                f"(missing {missing[:3]}, unexpected {extra[:3]})"
+    def _plan_chunk(
+        self, req: _Request, draft: _Draft, now: float, reads: tuple[RequestId, ...] = ()
+    ) -> None:
+        """The next chunk of ``req``'s prompt, as much as the budget allows; with same-step
+        sharing its completed blocks are registered now and the coordinator hears of it."""
+        start = req.num_computed
+        n = min(len(req.prompt) - start, draft.budget)
+        end = start + n
+        last = end == len(req.prompt)
+        draft.prefills.append(
+            PrefillWork(
+                request_id=req.id,
+                token_ids=req.prompt[start:end],
+                start=start,
+                pages=req.pages,
+                sample=last,
+                reads_from=reads,
             )
-        now = self._check_now(now)
-        self._now = now
-        self._outstanding = None
+        )
+        draft.budget -= n
+        if not self._config.same_step_sharing:
+            return
+        bs = self._config.block_size
+        if self._config.publish is PublishMode.PER_STEP:
+            upto = end // bs
+        elif req.role is Role.LEADER and last:  # releasing followers means publishing
+            upto = len(req.blocks)
+        else:
+            upto = 0
+        for j in self._publish(req, upto):
+            if (j + 1) * bs > start:  # the step writes this block (a retry may not)
+                draft.written[req.hashes[j]] = req.id
+        if last:
+            self._apply_all(self._coordinator.handle(PrefillDone(request_id=req.id, now=now)))
+        elif req.role is Role.LEADER and self._coordinator.config.min_shared_blocks is not None:
+            self._progress(req, now)
+
+    # -- internals: completing a step ------------------------------------------------------
+    def _advance(
+        self, plan: StepPlan, sampled: dict[RequestId, int], now: float
+    ) -> tuple[list[_Request], list[_Request], list[tuple[RequestId, int]]]:
+        """Count the plan's computed positions and append its sampled tokens; return the
+        requests it touched, those whose prompt it finished, and the tokens in plan order.
+        Requests aborted during the step are skipped."""
         stats = self._stats
-        stats.steps += 1
         running = self._running
-        coord = self._coordinator
         touched: list[_Request] = []
-        prefill_done: list[_Request] = []
+        prefilled: list[_Request] = []
         tokens: list[tuple[RequestId, int]] = []
         for p in plan.prefills:
             req = running.get(p.request_id)
             if req is None:
-                continue  # aborted during the step
+                continue
             req.num_computed += len(p.token_ids)
             stats.prefill_tokens += len(p.token_ids)
             touched.append(req)
@@ -648,7 +931,7 @@ class Scheduler:
                 req.first_token_at = now
                 req.first_token_step = plan.step
                 tokens.append((req.id, tok))
-                prefill_done.append(req)
+                prefilled.append(req)
         for d in plan.decodes:
             req = running.get(d.request_id)
             if req is None:
@@ -659,6 +942,11 @@ class Scheduler:
             req.output.append(tok)
             tokens.append((req.id, tok))
             touched.append(req)
+        return touched, prefilled, tokens
+
+    @staticmethod
+    def _ending(touched: list[_Request]) -> list[tuple[_Request, FinishReason]]:
+        """The touched requests that end with this step, and why."""
         done: list[tuple[_Request, FinishReason]] = []
         for req in touched:
             if req.output and req.prompt_done:
@@ -666,56 +954,66 @@ class Scheduler:
                     done.append((req, FinishReason.STOP))
                 elif len(req.output) >= req.max_new:
                     done.append((req, FinishReason.LENGTH))
-        finishing = {id(r) for r, _ in done}
+        return done
+
+    def _publish_computed(
+        self, touched: list[_Request], done: list[tuple[_Request, FinishReason]]
+    ) -> None:
+        """Publish what the step computed: every completed block (``PER_STEP``; with
+        same-step sharing a prefill's were registered at planning already), a finishing
+        request's blocks, a flight leader's prompt once it is computed."""
         bs = self._config.block_size
         per_step = self._config.publish is PublishMode.PER_STEP
-        partial = coord.config.min_shared_blocks is not None
+        finishing = {id(r) for r, _ in done}
         for req in touched:
             if per_step or id(req) in finishing:
                 self._publish(req, req.num_computed // bs)
             elif req.role is Role.LEADER and req.prompt_done:
                 self._publish(req, len(req.blocks))
-            if partial and req.role is Role.LEADER and not req.prompt_done:
-                self._apply_all(
-                    coord.handle(
-                        Progress(
-                            request_id=req.id,
-                            published_blocks=min(len(req.pinned), len(req.blocks)),
-                            now=now,
-                        )
-                    )
-                )
-        for req in prefill_done:
-            self._apply_all(coord.handle(PrefillDone(request_id=req.id, now=now)))
-        reports: list[RequestReport] = []
-        for req, reason in done:
-            self._apply_all(coord.handle(Finished(request_id=req.id, now=now)))
-            del running[req.id]
-            del self._live[req.id]
-            self._forget_flight(req)
-            self._end(req)
-            stats.finished += 1
-            reports.append(self._report(req, reason, plan.step))
-        for req in self._aborting.values():
-            self._end(req)
-        self._aborting.clear()
-        return StepOutcome(step=plan.step, tokens=tuple(tokens), finished=tuple(reports))
 
-    # -- internals: admission and pages ----------------------------------------------------
-    def _chunk(self, req: _Request, budget: int, out: list[PrefillWork]) -> int:
-        start = req.num_computed
-        n = min(len(req.prompt) - start, budget)
-        out.append(
-            PrefillWork(
-                request_id=req.id,
-                token_ids=req.prompt[start : start + n],
-                start=start,
-                pages=req.pages,
-                sample=start + n == len(req.prompt),
+    def _report_progress(
+        self, touched: list[_Request], prefilled: list[_Request], now: float
+    ) -> None:
+        """Without same-step sharing: tell the coordinator what the step published."""
+        if self._coordinator.config.min_shared_blocks is not None:
+            for req in touched:
+                if req.role is Role.LEADER and not req.prompt_done:
+                    self._progress(req, now)
+        for req in prefilled:
+            self._apply_all(self._coordinator.handle(PrefillDone(request_id=req.id, now=now)))
+
+    def _progress(self, req: _Request, now: float) -> None:
+        """A partial-prefix flight's leader published more of its prompt."""
+        published = min(len(req.pinned), len(req.blocks))
+        self._apply_all(
+            self._coordinator.handle(
+                Progress(request_id=req.id, published_blocks=published, now=now)
             )
         )
-        return n
 
+    def _finish(self, req: _Request, reason: FinishReason, step: int, now: float) -> RequestReport:
+        """``req`` ended normally in ``step``: out of the scheduler, its pages back."""
+        self._apply_all(self._coordinator.handle(Finished(request_id=req.id, now=now)))
+        del self._running[req.id]
+        del self._requests[req.id]
+        self._forget_flight(req)
+        self._end(req)
+        self._stats.finished += 1
+        return self._report(req, reason, step)
+
+    def _close_step(self, *, failed: bool = False) -> None:
+        """The outstanding step is over: aborting requests hand their pages back; after a
+        failure, the blocks the step registered leave the cache (their KV is not there)."""
+        for req in self._aborting.values():
+            self._end(req)
+            del self._requests[req.id]
+        self._aborting.clear()
+        if failed:  # every request that pinned them was in the plan, and is gone now
+            self._pool.withdraw(self._registered)
+        self._planned = frozenset()
+        self._registered = ()
+
+    # -- internals: admission and pages ----------------------------------------------------
     def _admit(self, req: _Request, now: float) -> bool:
         """Give ``req`` its page table; False (and nothing changed) if the pool cannot."""
         bs = self._config.block_size
@@ -730,7 +1028,7 @@ class Scheduler:
         req.cached = k * bs
         req.num_computed = k * bs
         req.admitted_at = now
-        req.state = RequestState.RUNNING
+        req.state = _RUNNING
         self._running[req.id] = req
         stats = self._stats
         stats.cached_tokens += k * bs
@@ -738,12 +1036,13 @@ class Scheduler:
         stats.prefix_query_tokens += n
         return True
 
-    def _publish(self, req: _Request, upto: int) -> None:
+    def _publish(self, req: _Request, upto: int) -> list[int]:
         """Publish ``req``'s blocks up to ``upto`` (exclusive), hashing new decode blocks
-        first; the pool pins them and keeps what it can (see `PagePool.publish`)."""
+        first; the pool pins them and keeps what it can (see `PagePool.publish`). Return
+        the indices of the blocks now cached on ``req``'s own pages (not duplicates)."""
         start = len(req.pinned)
         if upto <= start:
-            return
+            return []
         if upto > len(req.hashes):  # hash only the new blocks, continuing the chain
             bs = self._config.block_size
             hasher = self._hashers[req.namespace]
@@ -756,9 +1055,12 @@ class Scheduler:
         kept = self._pool.publish(req.hashes, req.pages, start, upto, req.tokens)
         req.pinned.extend(req.hashes[start : start + len(kept)])
         private = req.private
-        for page in kept:
+        own = []
+        for i, page in enumerate(kept):
             if page is not None:
                 private.discard(page)
+                own.append(start + i)
+        return own
 
     def _end(self, req: _Request) -> None:
         """Unpin the request's blocks and free its private pages."""
@@ -782,7 +1084,7 @@ class Scheduler:
                 for rid in d.request_ids:
                     req = self._flight_waiting.pop(rid)
                     req.flight_wait = self._coordinator.now - req.arrived_at
-                    req.state = RequestState.QUEUED
+                    req.state = _QUEUED
                     self._queue.append(req)
             case Promote():
                 req = self._flight_waiting.pop(d.request_id)
@@ -792,7 +1094,7 @@ class Scheduler:
                 self._leaders[d.flight] = req
                 _, waiting = self._coordinator.flights().get(d.flight, (None, ()))
                 req.followed = bool(waiting)
-                req.state = RequestState.QUEUED
+                req.state = _QUEUED
                 self._queue.appendleft(req)  # it has waited longest: it goes first
             case Lead() | Wait() | Independent():
                 raise AssertionError(f"unexpected decision for another request: {d!r}")
@@ -800,29 +1102,8 @@ class Scheduler:
                 assert_never(d)
 
     # -- internals: checks and reports -----------------------------------------------------
-    def _in_outstanding(self, request_id: RequestId) -> bool:
-        plan = self._outstanding
-        if plan is None:
-            return False
-        return any(p.request_id == request_id for p in plan.prefills) or any(
-            d.request_id == request_id for d in plan.decodes
-        )
-
     def _check_now(self, now: object) -> float:
         return check_time("now", now, after=max(self._now, self._coordinator.now))
-
-    def _check_sampled(self, step: int, sampled: tuple[tuple[RequestId, int], ...]) -> None:
-        """Every sampled id is a token id (in the vocabulary, if known), before any change."""
-        vocab = self._config.vocab_size
-        try:
-            check_token_ids("sampled", [tok for _, tok in sampled], vocab_size=vocab, minimum=0)
-        except UsageError as exc:
-            for rid, tok in sampled:  # name the request, not only the index
-                try:
-                    check_token_ids("sampled", (tok,), vocab_size=vocab, minimum=0)
-                except UsageError:
-                    raise UsageError(f"step {step}: request {rid!r}: {exc}") from None
-            raise  # pragma: no cover  # one of them failed above
 
     @staticmethod
     def _role(req: _Request) -> Role:
@@ -866,15 +1147,30 @@ class Scheduler:
                 assert page in req.private or cache.page(h) == page, "page table out of sync"
             assert set(req.pages[len(req.pinned) :]) <= req.private
         for flight, leader in self._leaders.items():
-            assert leader.flight == flight and leader.id in self._live, "stale flight leader"
+            assert leader.flight == flight, "stale flight leader"
+            assert leader.state in (_QUEUED, _RUNNING), "a flight leader ended"
         assert len(self._running) <= self._config.max_running
-        ids = [r.id for r in self._queue]
-        assert len(set(ids)) == len(ids)
-        groups = [set(ids), set(self._flight_waiting), set(self._running)]
-        assert sum(map(len, groups)) == len(set().union(*groups)), "a request is in two places"
-        assert set().union(*groups) == set(self._live), "live index out of sync"
-        for rid, req in self._live.items():
+        places: dict[RequestState, Iterable[_Request]] = {
+            _WAITING: self._flight_waiting.values(),
+            _QUEUED: self._queue,
+            _RUNNING: self._running.values(),
+            _ABORTING: self._aborting.values(),
+        }
+        seen: dict[RequestId, _Request] = {}
+        for state, reqs in places.items():
+            for req in reqs:
+                assert req.state is state, f"{req.id!r} is {req.state} but kept as {state}"
+                assert req.id not in seen, f"{req.id!r} is in two places"
+                seen[req.id] = req
+        assert seen == self._requests, "the request index is out of sync"
+        for rid, req in self._flight_waiting.items():
             assert req.id == rid
-        assert all(req.state is RequestState.QUEUED for req in self._queue)
-        assert all(req.state is RequestState.WAITING for req in self._flight_waiting.values())
-        assert all(req.state is RequestState.RUNNING for req in self._running.values())
+        for rid, req in self._running.items():
+            assert req.id == rid
+        if self._outstanding is None:
+            assert not self._aborting and not self._planned and not self._registered
+        else:
+            assert set(self._aborting) <= self._planned
+            policy = cache.policy
+            for h in self._registered:  # its writer pins it until the step is over
+                assert h in cache and policy.pin_count(h) > 0, "a block being written is loose"
