@@ -24,7 +24,9 @@ RMS norms, rotary embeddings, SiLU-gated MLP, no sliding window); others run the
 modules with paged attention (`unsupported` says why).
 
 The weights are copied at construction: later changes to the model's parameters do not
-reach a runner built before them.
+reach a runner built before them. The input embedding is the model's own module (called
+with the step's tokens flattened, ``[T]``), so hooks registered on it run; the layers'
+modules are not called.
 """
 
 from __future__ import annotations
@@ -176,7 +178,7 @@ class FusedForward:
         self.intermediate = int(config.intermediate_size)
         self.scale = float(inner.layers[0].self_attn.scaling)
         self.layers = [_Layer(layer, self.scale) for layer in inner.layers]
-        self.embed = inner.embed_tokens.weight.detach()
+        self.embed = inner.embed_tokens  # the module itself: hooks on the input embeddings run
         self.norm = inner.norm.weight.detach()
         self.eps = float(inner.norm.variance_epsilon)
         with torch.no_grad():
@@ -187,7 +189,7 @@ class FusedForward:
         """Logits ``[rows, vocab]`` at each row's last token of the step (``ids``: ``[T]``)."""
         h, g, d = self.heads, self.kv_heads, self.head_dim
         t = ids.shape[0]
-        x = F.embedding(ids, self.embed)
+        x = self.embed(ids)
         cos, sin = self.rotary(x, step.positions.unsqueeze(0))
         half = d // 2
         # rotate_half(x) * sin == flip(x's halves) * sin with its first half negated
