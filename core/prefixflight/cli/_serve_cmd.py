@@ -161,7 +161,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="with --kv-events: the pod in the topic kv@POD@MODEL (default: this host's name)",
     )
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
-    p.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (CUDA)")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="bfloat16 (default on CUDA and on CPUs with native bf16) or float32 (elsewhere)",
+    )
     p.add_argument(
         "--threads",
         type=at_least(1),
