@@ -5,9 +5,9 @@ Python and this hook does nothing.
 The compiled modules are the same source files, type-checked and translated to C by mypyc; the
 pure-Python files stay in the wheel next to the extensions (Python imports the extension
 first), so the source the tests read and the code that runs are the same text.
-``prefixflight.core.compiled`` tells at runtime which variant was imported. The module list
+``prefixflight.core.cache.compiled`` tells at runtime which variant was imported. The module list
 lives in pyproject.toml (``compile-modules`` of this hook); a test checks that it matches
-``prefixflight.core._build.COMPILED_MODULES``.
+``prefixflight.core.cache._build.COMPILED_MODULES``.
 """
 
 from __future__ import annotations

@@ -127,7 +127,7 @@ PURE_PATH = os.pathsep.join(str(ROOT / d) for d in ("core", "specs", "backends",
 def worker(requests: int, keys: int, objects: int) -> None:
     import importlib.util
 
-    import prefixflight.core as core
+    import prefixflight.core.cache as cache
 
     spec = importlib.util.spec_from_file_location("peers_run", ROOT / "benchmarks/peers/run.py")
     assert spec is not None and spec.loader is not None
@@ -136,7 +136,7 @@ def worker(requests: int, keys: int, objects: int) -> None:
     spec.loader.exec_module(peers)
     stream = peers.zipf_stream(n=keys, objects=objects)
     prompts = peers.engine_prompts(n=requests) if requests else []
-    print(json.dumps({"ready": True, "compiled": core.compiled}), flush=True)
+    print(json.dumps({"ready": True, "compiled": cache.compiled}), flush=True)
     for line in sys.stdin:
         task = line.strip()
         if task.startswith("policy:"):
@@ -182,6 +182,7 @@ def run_process(cmd: list[str], path: str | None) -> tuple[float, float, dict[st
     """Wall seconds, child CPU seconds (user + sys) and the parsed JSON stdout."""
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)  # bytecode cached, as in an installed package
     if path is not None:
         env["PYTHONPATH"] = path
     before = resource.getrusage(resource.RUSAGE_CHILDREN)

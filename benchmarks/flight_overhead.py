@@ -27,15 +27,12 @@ from collections.abc import Callable
 from typing import Any
 
 from prefixflight.core import (
-    Arrived,
-    Finished,
     FlightConfig,
     FlightCoordinator,
-    FlightEvent,
     FlightKey,
-    PrefillDone,
     ReleasePolicy,
 )
+from prefixflight.core.flight import Arrived, Finished, FlightEvent, PrefillDone
 
 SIZES = (10, 1_000, 100_000)
 BLOCKS = 32

@@ -57,14 +57,11 @@ from typing import Any
 import attrs
 
 from prefixflight.cli import read_trace
-from prefixflight.core import (
+from prefixflight.core import BlockHasher, BurstConfig, BurstRouter, ReplicaLoad
+from prefixflight.core.routing import (
     ApproxPrefixConfig,
     ApproxPrefixRouter,
-    BlockHasher,
     BurstAffinityRouter,
-    BurstConfig,
-    BurstRouter,
-    ReplicaLoad,
 )
 from prefixflight.serve.ray import (
     FirstToken,

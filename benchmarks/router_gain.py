@@ -19,13 +19,11 @@ import random
 from pathlib import Path
 from typing import Any
 
-from prefixflight.core import (
+from prefixflight.core import BurstConfig, BurstRouter, ReplicaLoad
+from prefixflight.core.routing import (
     ApproxPrefixConfig,
     ApproxPrefixRouter,
     BurstAffinityRouter,
-    BurstConfig,
-    BurstRouter,
-    ReplicaLoad,
 )
 from prefixflight.sim import (
     ClusterConfig,

@@ -26,13 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from prefixflight.core import (
-    ApproxPrefixRouter,
-    BurstConfig,
-    ReplicaLoad,
-    RouteRequest,
-    assign_batch,
-)
+from prefixflight.core import BurstConfig, ReplicaLoad, RouteRequest
+from prefixflight.core.routing import ApproxPrefixRouter, assign_batch
 
 SIZES = (10, 100, 1000)
 REPLICAS = (4, 16, 64)

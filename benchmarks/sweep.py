@@ -20,7 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from prefixflight.cli import read_trace
-from prefixflight.core import LRUCurve, TraceRecord, replay
+from prefixflight.core import TraceRecord, replay
+from prefixflight.core.cache import LRUCurve
 
 DEFAULT_TRACE = "bundled:conversation"
 REPLAY_CAPACITIES = (1024, 4096, 16384)

@@ -52,7 +52,17 @@ def test_embedding_page_runs_and_prints_what_it_shows() -> None:
     run_blocks(page, found)  # every block, in order, in one namespace
 
 
-@pytest.mark.parametrize("name", ["README.md", "docs/flight.md", "docs/router.md"])
+def test_conformance_page_runs_its_worked_adapter() -> None:
+    pytest.importorskip("hypothesis")
+    page = DOCS / "conformance.md"
+    found = blocks(page)
+    assert len(found) >= 2, "the page lost its worked adapter"
+    run_blocks(page, found)
+
+
+@pytest.mark.parametrize(
+    "name", ["README.md", "docs/cache.md", "docs/flight.md", "docs/router.md"]
+)
 def test_examples_with_shown_output_print_it(name: str) -> None:
     page = ROOT / name
     found = [(code, out) for code, out in blocks(page) if out is not None]

@@ -51,9 +51,10 @@ from prefixflight.core import (
     BlockHasher,
     PrefixCache,
     TraceRecord,
-    compiled,
     replay,
 )
+from prefixflight.core.cache import compiled
+from prefixflight.specs.adapters import stub_torchvision
 
 BLOCK = 16
 POOL_BLOCKS = 16_384
@@ -332,49 +333,11 @@ def vllm_engine_factory(prompts: Sequence[array[int]]) -> Runner:
 
 
 # -- engine path: SGLang -----------------------------------------------------------------
-def _stub_torchvision() -> None:
-    """SGLang's import chain reaches torchvision through multimodal helpers that RadixCache
-    never uses; the PyPI torchvision wheel is a CUDA build that fails on CPU torch. Record
-    torchvision as unavailable in transformers, then serve permissive stub modules."""
-    import importlib.abc
-    import importlib.machinery
-    import types
-
-    import_module("transformers")  # records torchvision as unavailable first
-
-    class _Anything(types.ModuleType):
-        def __getattr__(self, name: str) -> Any:
-            if name.startswith("__"):
-                raise AttributeError(name)
-            return _Anything(f"{self.__name__}.{name}")
-
-        def __call__(self, *args: Any, **kwargs: Any) -> Any:
-            return _Anything(self.__name__)
-
-    class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-        def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-            if name == "torchvision" or name.startswith("torchvision."):
-                return importlib.machinery.ModuleSpec(name, self, is_package=True)
-            return None
-
-        def create_module(self, spec: Any) -> Any:
-            module = _Anything(spec.name)
-            module.__path__ = []
-            setattr(module, "__version__", "0.0.0")  # noqa: B010
-            return module
-
-        def exec_module(self, module: Any) -> None:
-            return None
-
-    if "torchvision" not in sys.modules:
-        sys.meta_path.insert(0, _Finder())
-
-
 def sglang_engine_factory(prompts: Sequence[array[int]]) -> Runner:
     import logging
 
     logging.disable(logging.WARNING)
-    _stub_torchvision()
+    stub_torchvision()  # SGLang imports torchvision; the CUDA wheel fails on CPU torch
     torch = import_module("torch")
     base = import_module("sglang.srt.mem_cache.base_prefix_cache")
     EvictParams, InsertParams = base.EvictParams, base.InsertParams

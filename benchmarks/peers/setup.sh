@@ -8,11 +8,26 @@
 #
 # Usage: bash benchmarks/peers/setup.sh [VENV_DIR]   (default: .venv-peers)
 # Then:  .venv-peers/bin/python benchmarks/peers/run.py
+#        .venv-peers/bin/prefixflight conform vllm      (or sglang, libcachesim)
+# Reuses VENV_DIR when it already has the three peers at their versions (a cached venv),
+# pointing its prefixflight at this checkout.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 VENV="${1:-$ROOT/.venv-peers}"
 DL="$VENV/downloads"
+
+if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" - <<'PY' 2>/dev/null
+import sys
+from importlib.metadata import version
+want = {"vllm": "0.33.0", "sglang": "0.5.23", "libcachesim": "0.3.5"}
+sys.exit(0 if all(version(p) == v for p, v in want.items()) and version("hypothesis") else 1)
+PY
+then
+  "$VENV/bin/python" -m pip install -q --no-deps -e "$ROOT"  # this checkout's prefixflight
+  echo "setup.sh: $VENV already has vllm 0.33.0, sglang 0.5.23, libcachesim 0.3.5"
+  exit 0
+fi
 
 python3 -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip)
@@ -22,8 +37,9 @@ PIP=("$VENV/bin/python" -m pip)
 #    Never let pip resolve torch itself: an unpinned resolve pulls the CUDA wheels (+4 GB).
 "${PIP[@]}" install -q "torch==2.13.0"
 
-# 2. prefixflight itself (ours is measured in the same process as the peers).
-"${PIP[@]}" install -q -e "$ROOT" numpy
+# 2. prefixflight itself (ours is measured in the same process as the peers), with the specs
+#    extra (Hypothesis) that `prefixflight conform` runs its machines on.
+"${PIP[@]}" install -q -e "$ROOT[cli,specs]" numpy
 
 # 3. vLLM: the wheel without its dependency pins, then the light modules its
 #    KV cache manager imports (found by iterating on ModuleNotFoundError).

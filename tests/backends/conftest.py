@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import pytest
 
@@ -32,26 +32,11 @@ PAGE = 4
 T = TypeVar("T")
 
 
-def make_tiny_model(family: str, seed: int = 0) -> Any:
-    """A 2-layer random-weight causal LM (vocab 512, 4 query heads, 2 KV heads of 16)."""
-    import torch
-    import transformers
+def make_tiny_model(family: Literal["llama", "qwen2"], seed: int = 0) -> Any:
+    """A 2-layer random-weight causal LM (`prefixflight.backends.TINY_LLAMA`)."""
+    from prefixflight.backends.torch import tiny_model
 
-    config_cls, model_cls = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-    }[family]
-    config = config_cls(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(seed)
-    return model_cls(config).eval()
+    return tiny_model(family, seed)
 
 
 @pytest.fixture(scope="session", params=TINY_FAMILIES)
@@ -60,7 +45,7 @@ def tiny_model(request: pytest.FixtureRequest) -> Any:
 
 
 @pytest.fixture(scope="session")
-def tiny_factory() -> Callable[[str, int], Any]:
+def tiny_factory() -> Callable[[Literal["llama", "qwen2"], int], Any]:
     return make_tiny_model
 
 

@@ -20,15 +20,11 @@ from prefixflight.backends.torch import (  # noqa: E402
     EngineClosedError,
     EngineConfig,
     SamplingParams,
+    StepFailedError,
     TransformersRunner,
 )
-from prefixflight.core import (  # noqa: E402
-    ConfigError,
-    FinishReason,
-    ReleasePolicy,
-    Role,
-    UsageError,
-)
+from prefixflight.core import ConfigError, FinishReason, ReleasePolicy, UsageError  # noqa: E402
+from prefixflight.core.flight import Role  # noqa: E402
 
 from .conftest import PAGE, engine_for, greedy_reference, prompt_of, run  # noqa: E402
 
@@ -157,27 +153,38 @@ def test_model_step_runs_off_the_event_loop_thread(
     assert threads and threading.get_ident() not in threads
 
 
-def test_backend_failure_fails_every_request(
+def test_a_backend_failure_fails_the_requests_of_its_step_and_the_engine_serves_on(
     tiny_model: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    original = TransformersRunner.execute
+    broken = True
+
     def boom(self: TransformersRunner, plan: Any) -> Any:
-        raise RuntimeError("device lost")
+        if broken:
+            raise RuntimeError("device lost")
+        return original(self, plan)
 
     monkeypatch.setattr(TransformersRunner, "execute", boom)
 
     async def main() -> None:
+        nonlocal broken
         async with engine_for(tiny_model) as engine:
             gens = [engine.generate(prompt_of(i, 9)) for i in range(3)]
             for g in gens:
-                with pytest.raises(RuntimeError, match="device lost"):
+                with pytest.raises(StepFailedError, match="device lost") as info:
                     await collect(g)
-            with pytest.raises(EngineClosedError):
-                engine.generate([1, 2])
+                assert isinstance(info.value.__cause__, RuntimeError)
+            assert not engine.closed
             # the failed step registered the prompts' blocks for same-step sharing: they
             # never got their KV, so they left the cache with the step
             assert len(engine.scheduler.cache) == 0
             usage = engine.scheduler.page_usage()
             assert usage.free == usage.total
+            broken = False
+            for prompt in (prompt_of(7, 9), prompt_of(0, 9)):  # a new one, a failed one again
+                gen = engine.generate(prompt, SamplingParams(max_tokens=3))
+                assert await collect(gen) == greedy_reference(tiny_model, prompt, 3)
+                assert gen.report is not None and gen.report.cached_tokens == 0
 
     run(main)
 

@@ -20,15 +20,9 @@ from prefixflight.backends.torch import (  # noqa: E402
     SamplingParams,
     TransformersRunner,
 )
-from prefixflight.core import (  # noqa: E402
-    BlockStored,
-    ConfigError,
-    FinishReason,
-    KVEvent,
-    ReleasePolicy,
-    Role,
-    UsageError,
-)
+from prefixflight.core import ConfigError, FinishReason, ReleasePolicy, UsageError  # noqa: E402
+from prefixflight.core.cache import BlockStored, KVEvent  # noqa: E402
+from prefixflight.core.flight import Role  # noqa: E402
 
 from .conftest import PAGE, greedy_reference, prompt_of, run  # noqa: E402
 

@@ -684,7 +684,7 @@ def test_a_row_reads_pages_its_writer_writes_in_the_same_step(
     works = [
         PrefillWork(request_id="w", token_ids=writer[cut:], start=cut, pages=w_pages, sample=True)
     ]
-    prompts = {"w": writer}
+    prompts: dict[int | str, tuple[int, ...]] = {"w": writer}
     for i, tail in enumerate(tails):
         prompt = shared + tail
         if len(prompt) < 2:

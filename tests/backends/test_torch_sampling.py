@@ -158,3 +158,44 @@ def test_followers_sample_their_own_tokens_whatever_the_batch(tiny_model: Any) -
 def test_bad_sampling_params_name_the_value(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("temperature", [5e-324, 1e-300, 1e-38, 1e-6])
+def test_a_temperature_too_small_to_divide_by_is_greedy(temperature: float) -> None:
+    logits = torch.tensor([0.5, 3.0, -1.0, 2.9, 30.0, 29.9])
+    for seed in range(5):
+        sampler = Sampler(SamplingParams(temperature=temperature, seed=seed))
+        assert sampler.sample(logits) == 4
+
+
+@pytest.mark.parametrize("top_p", [5e-324, 1e-45, 1e-46, 1e-300])
+def test_a_top_p_below_float32_keeps_the_most_likely_token(top_p: float) -> None:
+    logits = torch.tensor([0.5, 3.0, -1.0, 2.9])
+    for seed in range(5):
+        assert Sampler(SamplingParams(temperature=1.0, top_p=top_p, seed=seed)).sample(logits) == 1
+
+
+@settings(max_examples=100)
+@given(
+    logits=logits_st,
+    temperature=st.floats(0.0, 2.0),
+    top_p=st.floats(0.0, 1.0, exclude_min=True),
+    top_k=st.integers(0, 50),
+    seed=st.integers(0, 2**32),
+)
+def test_every_accepted_sampling_value_samples_a_token(
+    logits: Any, temperature: float, top_p: float, top_k: int, seed: int
+) -> None:
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    assert 0 <= Sampler(params).sample(logits) < logits.numel()
+
+
+def test_min_tokens_leaves_out_stop_tokens_until_reached() -> None:
+    logits = torch.tensor([0.0, 5.0, 1.0, 4.0])  # token 1 is the most likely
+    sampler = Sampler(SamplingParams(max_tokens=5, min_tokens=2, stop_token_ids=(1, 3)))
+    assert [sampler.sample(logits) for _ in range(3)] == [2, 2, 1]
+    # a stop set that covers the whole vocabulary leaves something to sample
+    every = Sampler(SamplingParams(max_tokens=2, min_tokens=1, stop_token_ids=range(4)))
+    assert every.sample(logits) == 1
+    with pytest.raises(ConfigError, match=r"min_tokens \(6\) must be <= max_tokens \(5\)"):
+        SamplingParams(max_tokens=5, min_tokens=6)

@@ -74,3 +74,36 @@ def test_without_torch_the_commands_fail_cleanly(
     assert main(["demo", "-q"]) == 1
     err = capsys.readouterr().err
     assert "prefixflight[torch]" in err and "Traceback" not in err
+
+
+def _demo_report() -> dict[str, object]:
+    row = {"prompt_tokens": 532, "slowest_completion": 6.0}
+    flight = [
+        {**row, "concurrency": n, "policy": p, "recovered_tokens_per_follower": k, "mean_ttft": t}
+        for n, p, k, t in [
+            (2, "independent", 0, 2.0405), (2, "on_completion", 528, 2.1535),
+            (2, "after_prefill", 528, 1.0249), (4, "independent", 0, 3.7181),
+            (4, "on_completion", 528, 2.9109), (4, "after_prefill", 528, 1.0931),
+        ]
+    ]  # fmt: skip
+    return {
+        "model": "SmolLM2-135M-Instruct", "device": "cpu", "dtype": "float32", "threads": 2,
+        "repetitions": 1, "page_size": 16, "output_tokens": 32,
+        "warm_prefix": {"prompt_tokens": 904, "recovered_tokens": 880, "cold_ttft": 1.6417,
+                        "warm_ttft": 0.1571},
+        "single_flight": flight,
+    }  # fmt: skip
+
+
+def test_the_demo_says_one_sentence_per_result_in_plain_words() -> None:
+    from prefixflight.cli._demo_cmd import summary
+
+    text = summary(_demo_report())
+    lines = text.splitlines()
+    assert len(lines) == 5  # the setting, the warm prefix, two flight sizes, the pointer
+    assert all(line.endswith(".") for line in lines)
+    assert "reused 880 of its tokens" in lines[1] and "157 ms instead of 1642 ms" in lines[1]
+    assert "2 identical requests" in lines[2] and "1025 ms on average instead of 2041 ms" in text
+    assert "4 identical requests" in lines[3] and "(71% less)" in lines[3]
+    for internal in ("recovered/follower", "repetition(s)", "PagedKVPool", "after_prefill"):
+        assert internal not in text

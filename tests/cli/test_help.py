@@ -40,7 +40,7 @@ def test_every_flag_of_every_command_has_a_help_text() -> None:
 @pytest.mark.parametrize(
     "argv",
     [[], ["replay"], ["sweep"], ["simulate", "flight"], ["simulate", "router"],
-     ["bench", "ttft"], ["bench", "calibrate"], ["demo"]],
+     ["bench", "ttft"], ["bench", "calibrate"], ["demo"], ["serve"]],
 )
 def test_help_shows_defaults_once_and_names_no_internal_references(
     argv: list[str], capsys: pytest.CaptureFixture[str]
@@ -51,6 +51,9 @@ def test_help_shows_defaults_once_and_names_no_internal_references(
     text = " ".join(capsys.readouterr().out.split())
     for entry in re.split(r"\s(?=--?[a-z])", text):  # one option's help at a time
         assert entry.count("(default") <= 1, entry
+        # a help that names its default in words gets no second "(default: ...)"
+        before, shown, _ = entry.partition("(default:")
+        assert not (shown and re.search(r"\bdefault\b", before, re.IGNORECASE)), entry
     assert "default: None" not in text and "default: False" not in text
     for internal in ("seed 0", "DESIGN.md", "MODEL.md", "PEERS.md"):
         assert internal not in text

@@ -60,3 +60,11 @@ def test_a_closed_stderr_does_not_stop_the_command() -> None:
     )
     assert proc.returncode == 0
     assert b'"total_requests": 3993' in proc.stdout
+
+
+def test_without_a_bar_progress_hands_back_the_items_themselves() -> None:
+    """So `replay` gets the `TraceReader` itself and reads its fields without records."""
+    from prefixflight.cli._progress import progress
+
+    items = [1, 2]
+    assert progress(items, desc="x", unit="y", quiet=True) is items

@@ -4,6 +4,7 @@ command serves SmolLM2 to the ``openai`` client (a subprocess on a free loopback
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import queue
 import signal
@@ -36,6 +37,11 @@ ROOT = Path(__file__).resolve().parents[2]
         (["--kv-events", "127.0.0.1:5557"], "--kv-events must be a ZMQ address"),
         (["--kv-events", "tcp://*:5557", "--kv-events-replay", "x"], "--kv-events-replay must"),
         (["--kv-events-pod", "pod-0"], "need --kv-events"),
+        (["--kv-events-token-ids", "off"], "need --kv-events"),
+        (["--kv-events-encoding", "array"], "need --kv-events"),
+        (["--kv-events-replay"], "need --kv-events"),
+        (["--kv-events", "--kv-events-encoding", "json"], "invalid choice: 'json'"),
+        (["--kv-events", "--kv-events-token-ids", "no"], "invalid choice: 'no'"),
     ],
 )
 def test_flag_mistakes_are_usage_errors(
@@ -149,3 +155,136 @@ def test_serve_smollm2_answers_the_openai_client_and_stops_at_end_of_turn() -> N
             reader.join(timeout=30)  # EOF once the process is gone
             proc.stderr.close()
     assert proc.returncode == 0
+
+
+class TinyServer:
+    """``prefixflight serve --model tiny`` in a subprocess on a free loopback port."""
+
+    def __init__(self, *flags: str) -> None:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(ROOT / d) for d in ("core", "specs", "backends", "serve")]
+            + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+        )
+        argv = ["serve", "--model", "tiny", "--port", "0", "--threads", "1", *flags]
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "prefixflight.cli", *argv],
+            stderr=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            text=True,
+            env=env,
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        assert self.proc.stderr is not None
+        self.reader = threading.Thread(
+            target=_read_lines, args=(self.proc.stderr, self.lines), daemon=True
+        )
+        self.reader.start()
+        self.err: list[str] = []
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                self.stop()
+                raise AssertionError(f"the server did not start: {self.err}") from None
+            self.err.append(line)
+            if " on http://" in line:
+                self.url = line.split(" on ")[1].split()[0]
+                self.port = int(self.url.rsplit(":", 1)[1])
+                return
+
+    def wait(self, timeout: float = 60) -> int:
+        try:
+            code = self.proc.wait(timeout=timeout)
+        finally:
+            self.stop()
+        while not self.lines.empty():
+            self.err.append(self.lines.get())
+        return code
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+        self.reader.join(timeout=30)
+        assert self.proc.stderr is not None
+        self.proc.stderr.close()
+
+
+@pytest.mark.torch
+def test_serve_model_tiny_answers_on_one_replica() -> None:
+    pytest.importorskip("torch")
+    pytest.importorskip("fastapi")
+    openai = pytest.importorskip("openai")
+    server = TinyServer()
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        assert [m.id for m in client.models.list()] == ["tiny-llama"]
+        out = client.chat.completions.create(
+            model="tiny-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=5
+        )
+        assert out.usage is not None and out.usage.completion_tokens == 5
+        text = client.completions.create(model="tiny-llama", prompt="abc", max_tokens=3)
+        assert len(text.choices[0].text) == 3
+    finally:
+        server.proc.send_signal(signal.SIGINT)
+        assert server.wait() == 0
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_shutdown_fails_streams_in_flight_with_an_error_event_and_exits_0(sig: int) -> None:
+    pytest.importorskip("torch")
+    httpx = pytest.importorskip("httpx")
+    server = TinyServer("--shutdown-timeout", "0.5")
+    body = {"prompt": "a long answer", "max_tokens": 1900, "stream": True}
+    streams: list[list[str]] = []
+    try:
+        with httpx.Client(timeout=60) as client:
+            responses = []
+            for _ in range(3):
+                response = client.send(
+                    client.build_request("POST", server.url + "/v1/completions", json=body),
+                    stream=True,
+                )
+                lines = response.iter_lines()
+                assert response.status_code == 200
+                assert next(lines).startswith("data: {")  # streaming
+                responses.append((response, lines))
+            server.proc.send_signal(sig)
+            for response, lines in responses:
+                streams.append([ln for ln in lines if ln])
+                response.close()
+            # the listening socket was closed before the streams were failed
+            with pytest.raises(httpx.ConnectError):
+                httpx.get(server.url + "/health", timeout=5)
+        assert server.wait() == 0
+    finally:
+        server.stop()
+    for events in streams:
+        assert events[-1] == "data: [DONE]", events[-3:]
+        error = json.loads(events[-2].removeprefix("data: "))["error"]
+        assert error["code"] == 503 and "shut down" in error["message"]
+    assert not any("Traceback" in line for line in server.err), server.err
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("[1, 2]", "must be a non-empty JSON object"),
+        ("{}", "must be a non-empty JSON object"),
+        ('{"k": 5}', "the tenant of a key must be a non-empty string, got 5"),
+        ("{nope", "is not valid JSON"),
+    ],
+)
+def test_a_bad_api_keys_file_is_a_one_line_error(
+    tmp_path: Path, content: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "keys.json"
+    path.write_text(content)
+    assert main(["serve", "--api-keys-file", str(path)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+    assert main(["serve", "--api-keys-file", str(tmp_path / "missing.json")]) == 1
+    assert "cannot read --api-keys-file" in capsys.readouterr().err

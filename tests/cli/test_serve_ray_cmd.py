@@ -24,15 +24,6 @@ def test_flags_parse_with_defaults() -> None:
     assert build_parser().parse_args(["serve"]).replicas is None  # one engine over HTTP
 
 
-def test_the_tiny_model_needs_replicas(capsys: pytest.CaptureFixture[str]) -> None:
-    from prefixflight.cli import main
-
-    with pytest.raises(SystemExit) as exc:
-        main(["serve", "--model", "tiny"])
-    assert exc.value.code == 2
-    assert "--model tiny" in capsys.readouterr().err
-
-
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

@@ -7,14 +7,16 @@ from hypothesis import strategies as st
 from prefixflight.core import (
     LRU,
     S3FIFO,
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    KVEvent,
     PrefixCache,
     TraceRecord,
     UsageError,
     replay,
+)
+from prefixflight.core.cache import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
 )
 from prefixflight.specs import traces
 

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from prefixflight.core import LRU, S3FIFO, CapacityError, KVEvent, PrefixCache, UsageError
+from prefixflight.core import LRU, S3FIFO, CapacityError, PrefixCache, UsageError
+from prefixflight.core.cache import KVEvent
 
 _block = st.integers(0, 14)
 _op = st.one_of(

@@ -8,19 +8,21 @@ import attrs
 import pytest
 
 from prefixflight.core import (
-    ApproxPrefixConfig,
-    ApproxPrefixRouter,
-    BurstAffinityRouter,
     BurstConfig,
     BurstRouter,
     ConfigError,
-    LeastLoadedRouter,
     ReplicaLoad,
     Routed,
     Router,
     RouteRequest,
     TraceRecord,
     UsageError,
+)
+from prefixflight.core.routing import (
+    ApproxPrefixConfig,
+    ApproxPrefixRouter,
+    BurstAffinityRouter,
+    LeastLoadedRouter,
 )
 from prefixflight.sim import (
     ClusterConfig,

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-import prefixflight.core as core
+import prefixflight.core.cache as core_cache
 from prefixflight.core import LRU, S3FIFO, ConfigError, PrefixCache, UsageError
-from prefixflight.core._build import COMPILED_MODULES, compiled_modules
+from prefixflight.core.cache._build import COMPILED_MODULES, compiled_modules
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,13 +31,13 @@ def test_the_hook_compiles_the_modules_the_flag_checks() -> None:
 def test_the_flag_says_which_variant_is_loaded() -> None:
     loaded = compiled_modules()
     assert set(loaded) == set(COMPILED_MODULES)
-    assert core.compiled == all(loaded.values())
+    assert core_cache.compiled == all(loaded.values())
     for name, is_ext in loaded.items():
         suffix = Path(sys.modules[name].__file__ or "").suffix
         assert is_ext == (suffix != ".py"), name
     expected = os.environ.get("PREFIXFLIGHT_EXPECT_COMPILED")
     if expected is not None:
-        assert core.compiled is (expected == "1"), loaded
+        assert core_cache.compiled is (expected == "1"), loaded
 
 
 @pytest.mark.parametrize("bad", [True, False, 2.0, "3", None])
@@ -46,7 +46,7 @@ def test_both_variants_reject_the_same_arguments(bad: Any) -> None:
     # Any other non-int is rejected by the compiled build at the call (TypeError naming its
     # type) and by the pure build's validation (ConfigError naming the value); both leave
     # the state as it was.
-    at_call = core.compiled and not isinstance(bad, bool)
+    at_call = core_cache.compiled and not isinstance(bad, bool)
     config_error: type[Exception] = TypeError if at_call else ConfigError
     usage_error: type[Exception] = TypeError if at_call else UsageError
     named = ("None" if bad is None else type(bad).__name__) if at_call else repr(bad)

@@ -14,15 +14,12 @@ from hypothesis import strategies as st
 from prefixflight.core import (
     LRU,
     ConfigError,
-    CurvePoint,
-    LRUCurve,
     PrefixCache,
     TraceRecord,
     UsageError,
-    auto_capacities,
-    lru_curve,
     replay,
 )
+from prefixflight.core.cache import CurvePoint, LRUCurve, auto_capacities, lru_curve
 
 
 def _records(draw_requests: list[tuple[list[int], int]]) -> list[TraceRecord]:

@@ -7,14 +7,18 @@ from typing import Any
 import pytest
 
 from prefixflight.core import (
-    Aborted,
-    Arrived,
     BlockHasher,
     ConfigError,
-    Finished,
     FlightConfig,
     FlightCoordinator,
     FlightKey,
+    ReleasePolicy,
+    UsageError,
+)
+from prefixflight.core.flight import (
+    Aborted,
+    Arrived,
+    Finished,
     Independent,
     Lead,
     Placement,
@@ -22,10 +26,8 @@ from prefixflight.core import (
     Progress,
     Promote,
     Release,
-    ReleasePolicy,
     ReleaseReason,
     Tick,
-    UsageError,
     Wait,
 )
 
@@ -271,10 +273,10 @@ def test_partial_waiter_abort_just_leaves() -> None:
     c.check_invariants()
 
 
-# -- regression tests of issue 9's defects ------------------------------------------------------
+# -- cases found by outside probing ------------------------------------------------------------
 
 
-def test_defect1_reused_id_gets_its_own_deadline() -> None:
+def test_a_reused_id_gets_its_own_deadline() -> None:
     """A follower that aborts and re-arrives in the same open flight waits ``max_wait`` from
     its new arrival, not from its first one."""
     c = FlightCoordinator(FlightConfig(policy=ReleasePolicy.ON_COMPLETION, max_wait=1.0))
@@ -290,7 +292,7 @@ def test_defect1_reused_id_gets_its_own_deadline() -> None:
     c.check_invariants()
 
 
-def test_defect1_promotion_chain_id_gets_its_own_deadline() -> None:
+def test_a_promotion_chain_id_gets_its_own_deadline() -> None:
     """An id promoted to lead, then gone, then back as a follower of the same flight: the
     deadline of its first wait does not apply to its second."""
     c = FlightCoordinator(FlightConfig(max_wait=1.0))
@@ -306,7 +308,7 @@ def test_defect1_promotion_chain_id_gets_its_own_deadline() -> None:
     assert out == (Release(flight=0, request_ids=(2,), reason=ReleaseReason.TIMEOUT),)
 
 
-def test_defect2_flights_lists_waiting_members_oldest_first() -> None:
+def test_flights_lists_waiting_members_oldest_first() -> None:
     """Partial-prefix waiters and exact followers are listed together in arrival order."""
     c = FlightCoordinator(FlightConfig(min_shared_blocks=1, block_size=4))
     a, b = tuple(range(1, 13)), (1, 2, 3, 4, 9)
@@ -363,12 +365,12 @@ def _any(cls: object) -> Any:
         "arrived-unhashable-blocks",
     ],
 )
-def test_defect3_rejected_inputs_raise_usage_error(make: object) -> None:
+def test_rejected_event_inputs_raise_usage_error(make: object) -> None:
     with pytest.raises(UsageError):
         make()  # type: ignore[operator]
 
 
-def test_defect3_unhashable_blocks_leave_state_unchanged() -> None:
+def test_unhashable_blocks_leave_state_unchanged() -> None:
     """In partial mode, an arrival with unhashable blocks after a follower's deadline passed
     is rejected before the timeout is applied: no Release is lost, time does not advance."""
     c = FlightCoordinator(FlightConfig(min_shared_blocks=1, block_size=4, max_wait=1.0))
@@ -384,7 +386,7 @@ def test_defect3_unhashable_blocks_leave_state_unchanged() -> None:
 
 
 @pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
-def test_defect4_coordinator_rejects_non_finite_time(bad: float) -> None:
+def test_the_coordinator_rejects_non_finite_time(bad: float) -> None:
     c = FlightCoordinator(FlightConfig(max_wait=1.0))
     c.handle(arrive(1))
     c.handle(arrive(2))
@@ -406,6 +408,6 @@ def test_defect4_coordinator_rejects_non_finite_time(bad: float) -> None:
 
 
 @pytest.mark.parametrize("bad", [float("inf"), float("nan"), -1.0, True, "1"])
-def test_defect4_max_wait_must_be_finite(bad: object) -> None:
+def test_max_wait_must_be_finite(bad: object) -> None:
     with pytest.raises(ConfigError, match="max_wait"):
         FlightConfig(max_wait=bad)  # type: ignore[arg-type]

@@ -13,21 +13,23 @@ from collections.abc import Callable
 import pytest
 
 from prefixflight.core import (
-    Aborted,
-    Arrived,
     BlockHasher,
-    Finished,
     FlightConfig,
     FlightCoordinator,
-    FlightEvent,
     FlightKey,
+    ReleasePolicy,
+    RequestId,
+    UsageError,
+)
+from prefixflight.core.flight import (
+    Aborted,
+    Arrived,
+    Finished,
+    FlightEvent,
     Placement,
     PrefillDone,
     Progress,
-    ReleasePolicy,
-    RequestId,
     Tick,
-    UsageError,
 )
 from prefixflight.specs import FlightModel
 

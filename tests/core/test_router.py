@@ -12,13 +12,11 @@ from prefixflight.core import (
     BurstConfig,
     BurstRouter,
     ConfigError,
-    NoAffinity,
-    Placed,
     ReplicaLoad,
     RouteRequest,
     UsageError,
-    assign_batch,
 )
+from prefixflight.core.routing import NoAffinity, Placed, assign_batch
 
 BS = 64
 
@@ -343,7 +341,7 @@ def test_cancelling_every_request_closes_the_window() -> None:
     r.check_invariants()
 
 
-def test_defect13_full_batch_answers_no_affinity_and_seals_on_the_timer() -> None:
+def test_a_full_batch_answers_no_affinity_and_seals_on_the_timer() -> None:
     """As llm-d: an arrival at a full batch gets "batch full" (NoAffinity, left to the
     fallback) and is not added; the batch still seals only at its deadline."""
     r = BurstRouter(BurstConfig(max_batch_size=3, window_ms=100), reps(2))
@@ -378,7 +376,7 @@ def test_full_batch_seal_early_option_seals_with_the_last_arrival() -> None:
     r.check_invariants()
 
 
-def test_defect13_cancel_frees_a_slot_of_a_full_batch() -> None:
+def test_cancel_frees_a_slot_of_a_full_batch() -> None:
     """Documented deviation from llm-d (which keeps a cancelled entry in its batch): here a
     cancelled request leaves the batch, so it no longer counts toward max_batch_size."""
     r = BurstRouter(BurstConfig(max_batch_size=2), reps(2))
@@ -425,7 +423,7 @@ def test_rejected_events_leave_the_state_unchanged() -> None:
     ],
     ids=["unhashable", "blocks-int", "blocks-str", "id-float", "tokens-negative", "tokens-str"],
 )
-def test_defect3_route_request_rejects_bad_fields_before_any_router_sees_them(
+def test_route_request_rejects_bad_fields_before_any_router_sees_them(
     fields: dict[str, object],
 ) -> None:
     """An unhashable block hash used to be accepted into the window and to fail at the seal,

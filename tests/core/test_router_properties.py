@@ -12,13 +12,11 @@ from hypothesis import strategies as st
 from prefixflight.core import (
     BlockHash,
     BurstConfig,
-    NoAffinity,
-    Placed,
     ReplicaLoad,
     RequestId,
     RouteRequest,
-    assign_batch,
 )
+from prefixflight.core.routing import NoAffinity, Placed, assign_batch
 from prefixflight.specs import burst_configs, replica_loads, route_batches
 
 

@@ -14,8 +14,8 @@ from prefixflight.core import (
     ConfigError,
     PrefixCache,
     UsageError,
-    compiled,
 )
+from prefixflight.core.cache import compiled
 
 
 def accesses(policy: S3FIFO | LRU, *blocks: int) -> list[object]:

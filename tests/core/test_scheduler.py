@@ -21,13 +21,12 @@ from prefixflight.core import (
     PublishMode,
     ReleasePolicy,
     RequestReport,
-    RequestState,
-    Role,
     Scheduler,
     SchedulerConfig,
     StepResult,
     UsageError,
 )
+from prefixflight.core.flight import RequestState, Role
 from prefixflight.specs import FakeBackend
 
 BS = 4
@@ -694,7 +693,8 @@ def test_a_step_result_checks_its_entries_when_made(sampled: object, match: str)
 
 
 def test_a_coordinator_that_already_knows_requests_is_rejected() -> None:
-    from prefixflight.core import Arrived, FlightKey
+    from prefixflight.core import FlightKey
+    from prefixflight.core.flight import Arrived
 
     coord = FlightCoordinator(FlightConfig(block_size=2))
     coord.handle(Arrived(request_id="elsewhere", key=FlightKey.of([1, 2, 3]), now=0.0))
@@ -722,13 +722,13 @@ def test_a_malformed_sampled_entry_is_rejected_without_change(bad: object) -> No
     assert outcome.tokens == (("r", 7),)
 
 
-# -- issue 9: defects found by outside probing ------------------------------------------
+# -- inputs found by outside probing -------------------------------------------------------
 _INF = float("inf")
 
 
 @pytest.mark.parametrize("now", [_INF, -_INF], ids=["inf", "minus-inf"])
 @pytest.mark.parametrize("where", ["add_request", "schedule", "abort", "complete_step"])
-def test_defect_4_times_must_be_finite(where: str, now: float) -> None:
+def test_times_must_be_finite(where: str, now: float) -> None:
     """Infinity used to be accepted as ``now``; every later call then failed ("time went
     backwards") or statistics became NaN. A time is a finite number, checked before any
     change."""
@@ -766,7 +766,7 @@ _VOCAB = 2000
     [(2**63, None), (2**64 + 5, None), (-1, None), (1.0, None), ("7", None), (_VOCAB, _VOCAB)],
     ids=["2**63", "2**64+5", "negative", "float", "str", "outside-vocabulary"],
 )
-def test_defect_5_sampled_token_ids_are_checked_before_any_change(
+def test_sampled_token_ids_are_checked_before_any_change(
     token: object, vocab: int | None
 ) -> None:
     """A sampled id >= 2**63 used to be appended, the step half applied, and the next step
@@ -802,7 +802,7 @@ def test_defect_5_sampled_token_ids_are_checked_before_any_change(
         assert len(out) == 4 and all(0 <= t < _VOCAB for t in out)
 
 
-def test_defect_5_prompt_and_stop_ids_outside_the_vocabulary_are_rejected() -> None:
+def test_prompt_and_stop_ids_outside_the_vocabulary_are_rejected() -> None:
     sched = Scheduler(SchedulerConfig(num_pages=8, block_size=2, vocab_size=10))
     for prompt_ids, stop in (([1, 10], ()), ([1, 2**63], ()), ([1, 2], (10,))):
         with pytest.raises(UsageError, match="vocabulary"):

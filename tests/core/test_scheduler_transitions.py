@@ -21,14 +21,13 @@ from prefixflight.core import (
     FlightCoordinator,
     ReleasePolicy,
     RequestId,
-    RequestState,
     Scheduler,
     SchedulerConfig,
     StepPlan,
     StepResult,
     UsageError,
 )
-from prefixflight.core.flight import SchedulerCall, StepPhase
+from prefixflight.core.flight import RequestState, SchedulerCall, StepPhase
 from prefixflight.specs import FakeBackend
 
 BS = 2

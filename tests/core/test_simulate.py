@@ -12,11 +12,11 @@ from prefixflight.core import (
     PrefillWork,
     PublishMode,
     ReleasePolicy,
-    Role,
     SchedulerConfig,
     StepPlan,
     UsageError,
 )
+from prefixflight.core.flight import Role
 from prefixflight.sim import (
     Arrival,
     CostModel,

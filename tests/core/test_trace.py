@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixflight.core import TraceFormatError, TraceReader, TraceRecord, parse_trace_line
+from prefixflight.core import TraceFormatError, TraceRecord, parse_trace_line
+from prefixflight.core.cache import TraceReader
 from prefixflight.core.cache._trace import _loads
 
 

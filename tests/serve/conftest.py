@@ -43,42 +43,25 @@ class CharCodec:
 
 
 def tiny_llama(seed: int = 0) -> Any:
-    """A 2-layer random-weight Llama (vocab 512), as in the backend tests."""
-    import torch
-    import transformers
+    """The 2-layer random-weight Llama of the backend tests (`tiny_model`)."""
+    from prefixflight.backends.torch import tiny_model
 
-    config = transformers.LlamaConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(seed)
-    model: Any = transformers.LlamaForCausalLM(config)
-    return model.eval()
+    return tiny_model("llama", seed)
 
 
 class ServerThread:
-    """uvicorn serving ``app`` on a free 127.0.0.1 port, in a thread, until `stop`."""
+    """``serve``'s uvicorn server for ``app`` on a free 127.0.0.1 port, in a thread, until
+    `stop` (which shuts it down as SIGTERM would: draining, then closing)."""
 
-    def __init__(self, app: Any) -> None:
-        import uvicorn
+    def __init__(self, app: Any, *, send_buffer: int | None = None) -> None:
+        from prefixflight.serve.http import uvicorn_server
 
         self.sock = socket.create_server(("127.0.0.1", 0))
+        if send_buffer is not None:  # accepted connections inherit it: a slow network
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
         self.port = self.sock.getsockname()[1]
         self.base_url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(
-            uvicorn.Config(
-                app,
-                log_level="error",
-                access_log=False,
-                lifespan="on",
-                timeout_graceful_shutdown=5,
-            )
-        )
+        self.server = uvicorn_server(app, log_level="error")
         self.loop: asyncio.AbstractEventLoop | None = None
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="test-uvicorn", daemon=True)
@@ -132,11 +115,13 @@ PAGE = 4
 MODEL_NAME = "tiny-llama"
 
 
-def start_tiny_server(model: Any, **limits: Any) -> ServerThread:
-    """The tiny model behind the HTTP server (pages of 4 tokens), started and healthy."""
+def start_tiny_server(model: Any, codec: Any = None, **limits: Any) -> ServerThread:
+    """The tiny model behind the HTTP server (pages of 4 tokens), started and healthy;
+    ``limits`` are `EngineConfig`'s ``max_running``/``num_pages`` and `ServerConfig`'s."""
     from prefixflight.backends.torch import AsyncEngine, EngineConfig
     from prefixflight.serve.http import ServerConfig, build_app
 
+    send_buffer = limits.pop("send_buffer", None)
     engine_keys = ("max_running", "num_pages", "page_size", "max_batch_tokens", "release_policy")
     engine_limits = {k: limits.pop(k) for k in engine_keys if k in limits}
     engine_limits.setdefault("num_pages", 1024)
@@ -149,8 +134,9 @@ def start_tiny_server(model: Any, **limits: Any) -> ServerThread:
         eos_token_ids=[CharCodec.EOS],
         device="cpu",
     )
-    app = build_app(engine, CharCodec(), ServerConfig(model_name=MODEL_NAME, **limits))
-    return ServerThread(app).start()
+    config = ServerConfig(model_name=MODEL_NAME, **limits)
+    app = build_app(engine, CharCodec() if codec is None else codec, config)
+    return ServerThread(app, send_buffer=send_buffer).start()
 
 
 @pytest.fixture(scope="module")
@@ -175,8 +161,8 @@ def start_server(tiny: Any) -> Iterator[Callable[..., ServerThread]]:
     """Start tiny-model servers with other limits; each is stopped after the test."""
     started: list[ServerThread] = []
 
-    def start(**limits: Any) -> ServerThread:
-        started.append(start_tiny_server(tiny, **limits))
+    def start(codec: Any = None, **limits: Any) -> ServerThread:
+        started.append(start_tiny_server(tiny, codec, **limits))
         return started[-1]
 
     yield start

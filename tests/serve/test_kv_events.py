@@ -18,18 +18,16 @@ from hypothesis import strategies as st
 from prefixflight.core import (
     LRU,
     S3FIFO,
-    AllBlocksCleared,
-    ApproxPrefixRouter,
     BlockHash,
     BlockHasher,
-    BlockRemoved,
-    BlockStored,
     ConfigError,
     PrefixCache,
     ReplicaLoad,
     RouteRequest,
     UsageError,
 )
+from prefixflight.core.cache import AllBlocksCleared, BlockRemoved, BlockStored
+from prefixflight.core.routing import ApproxPrefixRouter
 from prefixflight.serve.kv_events import (
     KVEventPublisher,
     KVEventSubscriber,

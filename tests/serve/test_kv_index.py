@@ -9,15 +9,14 @@ import pytest
 
 from prefixflight.core import (
     LRU,
-    ApproxPrefixConfig,
-    ApproxPrefixRouter,
     BlockHasher,
-    KVEvent,
     PrefixCache,
     ReplicaLoad,
     RouteRequest,
     UsageError,
 )
+from prefixflight.core.cache import KVEvent
+from prefixflight.core.routing import ApproxPrefixConfig, ApproxPrefixRouter
 from prefixflight.serve.kv_events import (
     ClusterBlockIndex,
     ReplicaBlockIndex,
@@ -37,9 +36,9 @@ def _stored(
     hashes: list[int], parent: int | None, tokens: list[int], medium: str | None = None
 ) -> WireBlockStored:
     return WireBlockStored(
-        block_hashes=hashes,
+        block_hashes=tuple(hashes),
         parent_block_hash=parent,
-        token_ids=tokens,
+        token_ids=tuple(tokens),
         block_size=BS,
         medium=medium,
     )
@@ -51,7 +50,7 @@ def test_an_index_on_the_publishers_hashes_follows_stores_removals_and_clears() 
     assert idx.keys() == {11, 12}
     assert idx.prefix_blocks([11, 12, 13]) == 2
     assert idx.prefix_blocks([12]) == 1 and idx.prefix_blocks([13, 11]) == 0
-    idx.apply(WireBlockRemoved(block_hashes=[12, 99]))
+    idx.apply(WireBlockRemoved(block_hashes=(12, 99)))
     assert idx.keys() == {11}
     assert idx.stats.removed == 1 and idx.stats.unknown_removed == 1
     idx.apply(WireAllBlocksCleared())
@@ -62,9 +61,9 @@ def test_a_block_stays_resident_while_some_medium_holds_it() -> None:
     idx = ReplicaBlockIndex("r")
     idx.apply(_stored([1], None, [0] * BS, medium="GPU"))
     idx.apply(_stored([1], None, [0] * BS, medium="CPU"))
-    idx.apply(WireBlockRemoved(block_hashes=[1], medium="GPU"))
+    idx.apply(WireBlockRemoved(block_hashes=(1,), medium="GPU"))
     assert idx.media(1) == {"CPU"} and 1 in idx
-    idx.apply(WireBlockRemoved(block_hashes=[1], medium="CPU"))
+    idx.apply(WireBlockRemoved(block_hashes=(1,), medium="CPU"))
     assert 1 not in idx
 
 
@@ -101,12 +100,12 @@ def test_a_child_of_an_evicted_parent_is_keyed_through_the_ghosts() -> None:
     k0, k1 = ours.hash_tokens(toks)
     idx = ReplicaBlockIndex("r", hasher=ours)
     idx.apply(_stored([500], None, toks[:4]))
-    idx.apply(WireBlockRemoved(block_hashes=[500]))
+    idx.apply(WireBlockRemoved(block_hashes=(500,)))
     idx.apply(_stored([501], 500, toks[4:]))
     assert idx.keys() == {fold_hash(k1)}
     no_ghosts = ReplicaBlockIndex("r", hasher=ours, ghost_capacity=0)
     no_ghosts.apply(_stored([500], None, toks[:4]))
-    no_ghosts.apply(WireBlockRemoved(block_hashes=[500]))
+    no_ghosts.apply(WireBlockRemoved(block_hashes=(500,)))
     no_ghosts.apply(_stored([501], 500, toks[4:]))
     assert len(no_ghosts) == 0 and no_ghosts.stats.unresolved == 1
     assert k0 not in idx
@@ -116,8 +115,18 @@ def test_a_child_of_an_evicted_parent_is_keyed_through_the_ghosts() -> None:
     "event",
     [
         _stored([1], 999, [0] * BS),  # unknown parent
-        WireBlockStored(block_hashes=[1], parent_block_hash=None, token_ids=[0] * 8, block_size=8),
+        WireBlockStored(
+            block_hashes=(1,), parent_block_hash=None, token_ids=(0,) * 8, block_size=8
+        ),
         _stored([1], None, []),  # no tokens
+        # vLLM hashed a cache salt into the first block: its key is not the tokens' alone
+        WireBlockStored(
+            block_hashes=(1,),
+            parent_block_hash=None,
+            token_ids=(0,) * BS,
+            block_size=BS,
+            extra_keys=(("tenant-salt",),),
+        ),
     ],
 )
 def test_blocks_that_cannot_be_rebuilt_are_counted_not_guessed(event: WireBlockStored) -> None:
@@ -130,7 +139,7 @@ def test_the_feed_applies_in_order_and_reports_gaps_duplicates_and_restarts() ->
     feed = ReplicaFeed(ReplicaBlockIndex("r"))
 
     def batch(h: int) -> WireBatch:
-        return WireBatch(ts=0.0, events=[_stored([h], None, [0] * BS)])
+        return WireBatch(ts=0.0, events=(_stored([h], None, [0] * BS),))
 
     assert feed.observe_live(0) is None and feed.accept(0, batch(10))
     assert feed.observe_live(3) == 1  # 1 and 2 are missing: replay from 1
@@ -153,7 +162,7 @@ def test_approx_prefix_router_reads_an_external_index() -> None:
     blocks = hasher.hash_tokens(prompt)
     cluster = ClusterBlockIndex()
     cluster.apply_batch(
-        "b", WireBatch(ts=0.0, events=[_stored([fold_hash(h) for h in blocks], None, prompt)])
+        "b", WireBatch(ts=0.0, events=(_stored([fold_hash(h) for h in blocks], None, prompt),))
     )
     router = ApproxPrefixRouter(ApproxPrefixConfig(), index=cluster)
     replicas = [ReplicaLoad(name="a"), ReplicaLoad(name="b"), ReplicaLoad(name="c")]

@@ -29,6 +29,7 @@ from prefixflight.specs import (
     FlightCoordinatorMachine,
     LRUConformance,
     LRUCurveConformance,
+    PrefixEngineConformance,
     S3FIFOConformance,
     SchedulerMachine,
 )
@@ -37,6 +38,7 @@ MACHINES: dict[str, type[RuleBasedStateMachine]] = {
     "s3fifo": S3FIFOConformance,
     "lru": LRUConformance,
     "cache": CacheConformance,
+    "engine": PrefixEngineConformance,
     "curve": LRUCurveConformance,
     "flight": FlightCoordinatorMachine,
     "scheduler": SchedulerMachine,

@@ -11,7 +11,8 @@ from hypothesis import Phase, settings
 from hypothesis.errors import Flaky
 from hypothesis.stateful import run_state_machine_as_test
 
-from prefixflight.core import BlockHash, CurvePoint, LRUCurve
+from prefixflight.core import BlockHash
+from prefixflight.core.cache import CurvePoint, LRUCurve
 from prefixflight.specs import LRUCurveConformance
 
 TestLRUCurve = LRUCurveConformance.TestCase

@@ -6,15 +6,13 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from prefixflight.core import (
+from prefixflight.core import FlightConfig, FlightCoordinator, ReleasePolicy
+from prefixflight.core.flight import (
     Arrived,
-    FlightConfig,
-    FlightCoordinator,
     FlightDecision,
     FlightEvent,
     PrefillDone,
     Release,
-    ReleasePolicy,
     ReleaseReason,
 )
 from prefixflight.specs import FlightCoordinatorMachine

@@ -10,14 +10,13 @@ from hypothesis import Phase, given, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from prefixflight.core import (
-    Assignment,
     BurstConfig,
     BurstRouter,
     ReplicaLoad,
     RequestId,
     RouteRequest,
-    assign_batch,
 )
+from prefixflight.core.routing import Assignment, assign_batch
 from prefixflight.specs import (
     BurstRouterConformance,
     burst_configs,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -33,15 +34,19 @@ __all__ = [
 
 class Formatter(argparse.ArgumentDefaultsHelpFormatter):
     """`argparse.ArgumentDefaultsHelpFormatter`, except that options without a meaningful
-    default (``None``, or the ``False`` of a switch) show none, and a help that describes its
-    default in words (``(default: ...)``) is left as it is."""
+    default (``None``, or the ``False`` of a switch) show none, and a help that already
+    names its default in its own words (``default 512``, ``auto (default)``) is left as it
+    is, so that no default is shown twice."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         if action.default is None or isinstance(action.default, bool):
             return action.help
-        if action.help and "(default:" in action.help:  # says it in its own words
+        if action.help and _NAMES_DEFAULT.search(action.help):  # says it in its own words
             return action.help
         return super()._get_help_string(action)
+
+
+_NAMES_DEFAULT = re.compile(r"\bdefault\b", re.IGNORECASE)
 
 
 class Parser(argparse.ArgumentParser):

@@ -35,6 +35,8 @@ from prefixflight.backends.torch import (
 )
 from prefixflight.core import ConfigError, ReleasePolicy, RequestReport
 
+from ._bench_cmd import EXPERIMENTS
+
 __all__ = ["BenchRun", "TTFTBenchConfig", "format_tables", "plan_runs", "run_one", "summarize"]
 
 Progress = Callable[[Iterable[Any]], Iterable[Any]]
@@ -68,21 +70,15 @@ class TTFTBenchConfig:
     flight_prompt_tokens: int = 532
     flight_concurrency: tuple[int, ...] = (2, 4, 8)
     late_prompt_tokens: int = 532
-    experiments: tuple[str, ...] = (
-        "warm_prefix",
-        "incremental_publication",
-        "single_flight",
-        "late_arrival",
-    )
+    experiments: tuple[str, ...] = EXPERIMENTS
     page_size: int = 16
     max_batch_tokens: int = 1024
     max_running: int = 16
 
     def __attrs_post_init__(self) -> None:
-        known = {"warm_prefix", "incremental_publication", "single_flight", "late_arrival"}
-        bad = [e for e in self.experiments if e not in known]
+        bad = [e for e in self.experiments if e not in EXPERIMENTS]
         if bad:
-            raise ConfigError(f"unknown experiment {bad[0]!r} (choose from {sorted(known)})")
+            raise ConfigError(f"unknown experiment {bad[0]!r} (choose from {sorted(EXPERIMENTS)})")
         for name in ("repetitions", "output_tokens", "page_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)!r}")
@@ -352,8 +348,8 @@ def format_tables(report: dict[str, Any]) -> str:
     lines = [
         f"model {report['model']} on {report['device']} ({report['dtype']}, "
         f"{report['threads']} threads), page size {report['page_size']}, "
-        f"{report['output_tokens']} output tokens, median of {report['repetitions']} "
-        f"repetition(s)",
+        f"{report['output_tokens']} output tokens, "
+        + ("one run" if report["repetitions"] == 1 else f"median of {report['repetitions']} runs"),
     ]
     sections = iter(range(1, 5))  # number the sections present without gaps (demo runs two)
     warm = report.get("warm_prefix")

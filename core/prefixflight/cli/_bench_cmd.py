@@ -225,8 +225,8 @@ def measure_ttft(
     )
     if not args.quiet and sys.stderr is not None:
         print(
-            f"{label}: {loaded.name} loaded in {time.perf_counter() - started:.1f} s, "
-            f"{runner.pool!r}",
+            f"{label}: {loaded.name} loaded in {time.perf_counter() - started:.1f} s, with a "
+            f"KV cache of {runner.pool.num_pages} pages of {runner.pool.page_size} tokens",
             file=sys.stderr,
         )
     if before is not None:

@@ -226,11 +226,7 @@ def calibrate(
         for c in cases
     ]
     return {
-        "model_parameters": {
-            "step_overhead": cost.step_overhead,
-            "prefill_per_token": cost.prefill_per_token,
-            "decode_per_request": cost.decode_per_request,
-        },
+        "model_parameters": attrs.asdict(cost),  # step_overhead, prefill/decode costs
         "calibration": {  # CostModel.calibrated(...) / `simulate flight` flags giving the fit
             "prefill_seconds": cost.time(full, 0),
             "prefill_tokens": full,

@@ -2,7 +2,10 @@
 
 Traces are read as bytes, line by line, and every line is decoded and parsed by the core's
 pure `TraceReader`: a line that is not UTF-8 is a per-line error with its line number (and
-skippable), on stdin as in a file. Gzip data is recognised by its magic bytes, on stdin too.
+skippable), on stdin as in a file. When msgspec is installed (the ``serve`` extra), its typed
+JSON decoder reads each line first, about four times faster than the standard library's; a
+line it does not accept goes to the core's parser, so the records, errors and skipped lines
+are the same with or without it. Gzip data is recognised by its magic bytes, on stdin too.
 Output files are written atomically: a temporary file beside the target, then a rename, so a
 failed write (a full disk, a file-size limit) leaves the previous file as it was and no
 partial file behind.
@@ -14,15 +17,19 @@ import gzip
 import os
 import sys
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, Any
 
-from prefixflight.core import PrefixflightError, TraceReader, UsageError
+from prefixflight.core import PrefixflightError, UsageError
+from prefixflight.core.cache import TraceReader
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
     from pathlib import Path
+    from typing import TypeAlias
+
+    _Fields: TypeAlias = tuple[int, list[int], float | None, int | None]
 
 __all__ = [
     "BUNDLED_TRACES",
@@ -157,17 +164,59 @@ def _checked_lines(stream: Iterable[bytes], name: str) -> Iterator[bytes]:
         raise InputError(f"{name}: cannot read after line {number}: {reason}") from None
 
 
+def msgspec_decoder() -> Callable[[str | bytes], _Fields] | None:
+    """A `TraceReader` ``decode``: msgspec's typed JSON decoder of a trace line's four fields
+    (``None`` if msgspec is not installed). It raises on anything but a JSON object with an
+    int ``input_length``, a list of ints ``hash_ids`` and optional number ``timestamp`` and
+    int ``output_length`` (never a bool); on a line that is not UTF-8 (decoded first: msgspec
+    skips the strings of fields it ignores without checking them); and on a line with a run
+    of digits longer than the interpreter's integer string limit (which `json` rejects and
+    msgspec skips in an ignored field)."""
+    try:
+        import msgspec
+    except ImportError:
+        return None
+    import re
+
+    from msgspec.structs import astuple
+
+    class Line(msgspec.Struct, gc=False):  # ints and a list: nothing to collect
+        input_length: int
+        hash_ids: list[int]
+        timestamp: int | float | None = None
+        output_length: int | None = None
+
+    decode: Callable[[str], Any] = msgspec.json.Decoder(Line).decode
+    limit: int = getattr(sys, "get_int_max_str_digits", lambda: 0)()
+    long_digits = re.compile(f"[0-9]{{{limit + 1}}}")
+
+    def fields(line: str | bytes) -> _Fields:
+        text = line.decode("utf-8") if isinstance(line, bytes) else line
+        if limit and len(text) > limit and long_digits.search(text):
+            raise ValueError("a number longer than the integer string limit")
+        return astuple(decode(text))  # the four fields, typed by `Line`
+
+    return fields
+
+
 @contextmanager
-def read_trace(spec: str | Path, *, skip_invalid: bool = False) -> Iterator[TraceReader]:
+def read_trace(
+    spec: str | Path, *, skip_invalid: bool = False, fast: bool = True
+) -> Iterator[TraceReader]:
     """A streaming `TraceReader` over a trace file; errors name the file and line.
 
     Bad lines raise `TraceFormatError` (or are skipped with ``skip_invalid``); corrupt or
     truncated gzip data and read errors raise `InputError` naming the file and the last
-    line read (they are not line-local, so ``skip_invalid`` does not skip them).
+    line read (they are not line-local, so ``skip_invalid`` does not skip them). ``fast``:
+    decode lines with msgspec first when it is installed (`msgspec_decoder`); the records
+    and errors are the same either way.
     """
     name = "<stdin>" if spec == "-" else str(spec)
     with open_trace(spec) as fh:
-        yield TraceReader(_checked_lines(fh, name), source=name, skip_invalid=skip_invalid)
+        decode = msgspec_decoder() if fast else None
+        yield TraceReader(
+            _checked_lines(fh, name), source=name, skip_invalid=skip_invalid, decode=decode
+        )
 
 
 def _mode_for(path: Path) -> int:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -13,14 +13,14 @@ __all__ = ["progress"]
 
 def progress(
     items: Iterable[T], *, desc: str, unit: str, total: int | None = None, quiet: bool = False
-) -> Iterator[T]:
-    """Wrap ``items`` in a tqdm bar on stderr unless quiet or stderr is not a terminal."""
+) -> Iterable[T]:
+    """Wrap ``items`` in a tqdm bar on stderr unless quiet or stderr is not a terminal;
+    otherwise ``items`` itself (so a `TraceReader` reaches `replay` as one, and `replay`
+    reads its fields without building a `TraceRecord` per line)."""
     if quiet or sys.stderr is None or not sys.stderr.isatty():
-        yield from items
-        return
+        return items
     try:
         from tqdm import tqdm
     except ImportError:  # the cli extra is not installed: no bar
-        yield from items
-        return
-    yield from tqdm(items, desc=desc, unit=unit, total=total, file=sys.stderr, leave=False)
+        return items
+    return tqdm(items, desc=desc, unit=unit, total=total, file=sys.stderr, leave=False)

@@ -21,7 +21,8 @@ from ._io import read_trace, write_atomic, write_stdout
 from ._progress import progress
 
 if TYPE_CHECKING:  # the routers and the simulator are imported by the functions that run them
-    from prefixflight.core import ApproxPrefixConfig, BurstConfig, Router
+    from prefixflight.core import BurstConfig, Router
+    from prefixflight.core.routing import ApproxPrefixConfig
     from prefixflight.sim import ClusterConfig, RouterReport, Workload
 
 __all__ = ["build_routers", "describe", "format_table", "register_router", "run_router"]
@@ -272,12 +273,11 @@ def build_routers(
     """The baseline router and the burst router in front of an identical baseline."""
     import random
 
-    from prefixflight.core import (
+    from prefixflight.core import BurstRouter, ReplicaLoad
+    from prefixflight.core.routing import (
         ApproxPrefixRouter,
         BurstAffinityRouter,
-        BurstRouter,
         LeastLoadedRouter,
-        ReplicaLoad,
     )
 
     def baseline() -> Router:
@@ -364,7 +364,8 @@ def describe(args: argparse.Namespace, workload: Workload, cluster: ClusterConfi
 
 
 def run_router(args: argparse.Namespace) -> int:
-    from prefixflight.core import ApproxPrefixConfig, BurstConfig
+    from prefixflight.core import BurstConfig
+    from prefixflight.core.routing import ApproxPrefixConfig
     from prefixflight.sim import ClusterConfig, simulate_cluster
 
     route_block = args.block_size if args.block_size is not None else (

@@ -9,21 +9,25 @@ a one-line error too, never a traceback.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import socket
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
-from prefixflight.core import UsageError
+from prefixflight.core import ReleasePolicy, UsageError
 
-from ._args import at_least
+from ._args import at_least, non_negative_float, positive_float
 from ._bench_cmd import prepare_torch_process
 from ._serve_ray_cmd import add_ray_arguments, run_ray
 
-__all__ = ["kv_publisher", "register", "run"]
+__all__ = ["kv_events_banner", "kv_publisher", "register", "run"]
 
 MODELS = ("smollm2", "tiny")
-RELEASE_POLICIES = ("after_prefill", "on_completion", "independent")  # ReleasePolicy's values
+KV_LOOPBACK = "tcp://127.0.0.1:*"  # a free loopback port
+RELEASE_POLICIES = tuple(p.value for p in ReleasePolicy)
 
 
 def _port(value: str) -> int:
@@ -48,7 +52,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         choices=MODELS,
         default="smollm2",
         help="smollm2: the bundled SmolLM2-135M-Instruct; tiny: a random-weight 2-layer Llama "
-        "per replica (with --replicas, to try a deployment quickly)",
+        "with a character codec (the quickest way to try the server; also with --replicas)",
     )
     p.add_argument(
         "--served-model-name",
@@ -110,14 +114,39 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--eviction", choices=("lru", "s3fifo"), default="lru", help="default lru")
     p.add_argument(
         "--kv-events",
+        nargs="?",
+        const=KV_LOOPBACK,
         metavar="ENDPOINT",
-        help="publish the prefix cache's KV events on vLLM's ZMQ wire at this endpoint "
-        "(e.g. tcp://*:5557; docs/kv-events.md)",
+        help="publish the prefix cache's KV events on vLLM's ZMQ wire; alone: bind a free "
+        f"loopback port ({KV_LOOPBACK}), printed at start. vLLM's rule decides bind or "
+        "connect: an endpoint with '*' or '::', an ipc:// one or port 0 is bound "
+        "(tcp://*:5557 binds every interface), any other is connected (tcp://HOST:5557 "
+        "sends to a subscriber that binds there). The events carry the token ids of every "
+        "tenant's prompts: see --kv-events-token-ids and docs/kv-events.md",
     )
     p.add_argument(
         "--kv-events-replay",
+        nargs="?",
+        const=KV_LOOPBACK,
         metavar="ENDPOINT",
-        help="with --kv-events: serve replays of missed event batches here (e.g. tcp://*:5558)",
+        help="with --kv-events: answer replay requests for missed batches here, always "
+        "bound (alone: a free loopback port); anyone who reaches it can read the buffered "
+        "events",
+    )
+    p.add_argument(
+        "--kv-events-encoding",
+        choices=("map", "array"),
+        default="map",
+        help="with --kv-events: map is vLLM 0.32's form (tagged maps); array is the "
+        "positional form of vLLM before PR #42892, for older consumers",
+    )
+    p.add_argument(
+        "--kv-events-token-ids",
+        choices=("on", "off"),
+        default="on",
+        help="with --kv-events: off sends BlockStored events without token ids (block "
+        "hashes only): subscribers then key blocks by this server's hashes, and an indexer "
+        "that rebuilds keys from tokens (llm-d's) cannot",
     )
     p.add_argument(
         "--kv-events-pod",
@@ -140,25 +169,136 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="uvicorn's log level (default warning)",
     )
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    g = p.add_argument_group("access and limits (docs/serve.md)")
+    g.add_argument(
+        "--api-key",
+        metavar="KEY",
+        action="append",
+        help="require 'Authorization: Bearer KEY' (repeatable; or set PREFIXFLIGHT_API_KEY)",
+    )
+    g.add_argument(
+        "--api-keys-file",
+        metavar="FILE",
+        help='a JSON object of API keys and their tenants ({"KEY": "TENANT", ...}): a '
+        "tenant is the hashing namespace of its requests, so tenants never share the cache",
+    )
+    g.add_argument(
+        "--max-body-bytes",
+        type=at_least(1),
+        default=32 << 20,
+        metavar="N",
+        help="largest request body; past it 413 (default 33554432, 32 MiB)",
+    )
+    g.add_argument(
+        "--client-timeout",
+        type=positive_float,
+        default=30.0,
+        metavar="S",
+        help="seconds a client may stay silent sending headers or a body, or leave a stream "
+        "unread (default 30)",
+    )
+    g.add_argument(
+        "--keep-alive-timeout",
+        type=positive_float,
+        default=5.0,
+        metavar="S",
+        help="idle seconds before a keep-alive connection is closed (default 5)",
+    )
+    g.add_argument(
+        "--shutdown-timeout",
+        type=non_negative_float,
+        default=5.0,
+        metavar="S",
+        help="on SIGINT/SIGTERM, seconds requests in progress may take to finish before "
+        "they are failed (default 5)",
+    )
     add_ray_arguments(p)
     p.set_defaults(func=run, parser=p)
 
 
 def kv_publisher(args: argparse.Namespace, model: str) -> Any:
-    """The `KVEventPublisher` for ``--kv-events``, on topic ``kv@<pod>@<model>``."""
+    """The `KVEventPublisher` for ``--kv-events``, on topic ``kv@<pod>@<model>``; says on
+    stderr where it publishes and whether it bound or connected."""
     from prefixflight.serve.kv_events import KVEventPublisher, kv_topic
 
     pod = args.kv_events_pod or socket.gethostname()
     try:
-        return KVEventPublisher(
+        pub = KVEventPublisher(
             args.kv_events,
             topic=kv_topic(pod, model),
             replay_endpoint=args.kv_events_replay,
+            encoding=args.kv_events_encoding,
+            token_ids=args.kv_events_token_ids == "on",
         )
     except UsageError as exc:
         raise UsageError(f"--kv-events {args.kv_events}: {exc}") from None
     except OSError as exc:  # zmq.ZMQError is an OSError: the address cannot be used
         raise UsageError(f"--kv-events {args.kv_events}: {exc}") from None
+    for line in kv_events_banner(pub, args.kv_events_encoding, args.kv_events_token_ids):
+        print(f"prefixflight serve: {line}", file=sys.stderr, flush=True)
+    return pub
+
+
+def kv_events_banner(pub: Any, encoding: str, token_ids: str) -> list[str]:
+    """What the server says about its KV-event sockets: bound or connected, and where."""
+    from prefixflight.serve.kv_events._endpoints import is_local
+
+    what = f"{encoding} encoding, token ids {token_ids}"
+    if pub.binds:
+        lines = [f"KV events ({what}) bound at {pub.endpoint}: subscribers connect there"]
+    else:
+        lines = [
+            f"KV events ({what}) connect to {pub.endpoint} (vLLM's rule for a host:port "
+            "endpoint): a subscriber must bind there; to bind, give tcp://HOST:* (a free "
+            "port) or ipc://PATH"
+        ]
+    if pub.replay_endpoint is not None:
+        lines.append(f"KV-event replay bound at {pub.replay_endpoint}")
+    bound = [pub.endpoint] if pub.binds else []
+    exposed = [e for e in (*bound, pub.replay_endpoint) if e is not None and not is_local(e)]
+    if exposed and token_ids == "on":
+        lines.append(
+            f"warning: {' and '.join(exposed)} can be reached from other hosts, and the "
+            "events carry every tenant's token ids (--kv-events-token-ids off sends none)"
+        )
+    return lines
+
+
+def api_keys(args: argparse.Namespace) -> dict[str, str | None]:
+    """Key -> tenant from ``--api-key``/PREFIXFLIGHT_API_KEY (no tenant) and
+    ``--api-keys-file``; `UsageError` naming the file for a bad one."""
+    given = list(args.api_key or [])
+    if not given and os.environ.get("PREFIXFLIGHT_API_KEY"):
+        given = [os.environ["PREFIXFLIGHT_API_KEY"]]
+    keys: dict[str, str | None] = dict.fromkeys(given)
+    path = args.api_keys_file
+    if path is None:
+        return keys
+    try:
+        loaded = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise UsageError(f"cannot read --api-keys-file {path!r}: {exc.strerror or exc}") from None
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise UsageError(f"--api-keys-file {path!r} is not valid JSON: {exc}") from None
+    if not isinstance(loaded, dict) or not loaded:
+        raise UsageError(
+            f'--api-keys-file {path!r} must be a non-empty JSON object {{"KEY": "TENANT"}}'
+        )
+    for key, tenant in loaded.items():
+        if not isinstance(tenant, str) or not tenant:
+            raise UsageError(
+                f"--api-keys-file {path!r}: the tenant of a key must be a non-empty string, "
+                f"got {tenant!r}"
+            )
+        keys[key] = tenant
+    return keys
+
+
+def _tiny_model() -> tuple[Any, str]:
+    """The random-weight 2-layer Llama of the Ray replicas (same config, seed 0)."""
+    from prefixflight.backends.torch import tiny_model
+
+    return tiny_model("llama", seed=0), "tiny-llama"
 
 
 def _imports() -> tuple[Any, Any]:
@@ -185,8 +325,6 @@ def run(args: argparse.Namespace) -> int:
     if args.replicas is not None:
         prepare_torch_process()
         return run_ray(args)
-    if args.model == "tiny":
-        parser.error("--model tiny has no tokenizer to serve text over HTTP: give --replicas")
     if args.max_batch_tokens < args.max_running:
         parser.error(
             f"--max-batch-tokens ({args.max_batch_tokens}) must be >= --max-running "
@@ -198,10 +336,17 @@ def run(args: argparse.Namespace) -> int:
     for flag, value in kv_flags:
         if value is not None and "://" not in value:
             parser.error(f"{flag} must be a ZMQ address like tcp://*:5557, got {value!r}")
-    if args.kv_events is None and (args.kv_events_replay or args.kv_events_pod):
-        parser.error("--kv-events-replay and --kv-events-pod need --kv-events")
+    kv_options = args.kv_events_replay or args.kv_events_pod
+    kv_options = kv_options or args.kv_events_encoding != "map" or args.kv_events_token_ids != "on"
+    if args.kv_events is None and kv_options:
+        parser.error(
+            "--kv-events-replay, --kv-events-encoding, --kv-events-token-ids and "
+            "--kv-events-pod need --kv-events"
+        )
+    keys = api_keys(args)  # a bad keys file fails before any model loads
     http, backend = _imports()
     from prefixflight.core import ReleasePolicy
+
     try:
         sock = socket.create_server((args.host, args.port))
     except OSError as exc:
@@ -214,9 +359,15 @@ def run(args: argparse.Namespace) -> int:
 
             torch.set_num_threads(args.threads)
         started = time.perf_counter()
-        loaded = backend.load_smollm2(
-            device=None if args.device == "auto" else args.device, dtype=args.dtype
-        )
+        device = None if args.device == "auto" else args.device
+        if args.model == "tiny":
+            model, default_name = _tiny_model()
+            codec = http.CharCodec(int(model.config.vocab_size))
+            tokenizer = None
+        else:
+            loaded = backend.load_smollm2(device=device, dtype=args.dtype)
+            model, default_name, tokenizer = loaded.model, loaded.name, loaded.tokenizer
+            codec = http.HFCodec(tokenizer)
         config = backend.EngineConfig(
             release_policy=ReleasePolicy(args.release_policy),
             num_pages=args.num_pages,
@@ -226,20 +377,28 @@ def run(args: argparse.Namespace) -> int:
             eviction=args.eviction,
             min_shared_blocks=args.min_shared_blocks,
         )
-        name = args.served_model_name or loaded.name
+        name = args.served_model_name or default_name
         publisher = None if args.kv_events is None else kv_publisher(args, name)
         engine = backend.AsyncEngine.from_model(
-            loaded.model,
+            model,
             config,
-            tokenizer=loaded.tokenizer,
+            tokenizer=tokenizer,
             event_sink=publisher,
-            device=str(loaded.model.device),
-            dtype=str(loaded.model.dtype).removeprefix("torch."),
+            device=device if args.model == "tiny" else str(model.device),
+            dtype=args.dtype if args.model == "tiny" else str(model.dtype).removeprefix("torch."),
         )
         app = http.build_app(
             engine,
-            http.HFCodec(loaded.tokenizer),
-            http.ServerConfig(model_name=name, max_waiting=args.max_waiting),
+            codec,
+            http.ServerConfig(
+                model_name=name,
+                max_waiting=args.max_waiting,
+                max_body_bytes=args.max_body_bytes,
+                api_keys=keys,
+                client_timeout=args.client_timeout,
+                keep_alive_timeout=args.keep_alive_timeout,
+                shutdown_timeout=args.shutdown_timeout,
+            ),
         )
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host

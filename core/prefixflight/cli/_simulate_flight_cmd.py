@@ -8,6 +8,8 @@ import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import attrs
+
 from prefixflight.core import ConfigError
 
 from ._args import at_least, output_file, positive_float, ratio, usage_errors
@@ -299,11 +301,7 @@ def run(args: argparse.Namespace) -> int:
     write_stdout("".join(text))
     if args.json:
         data = {
-            "cost_model": {
-                "step_overhead": cost.step_overhead,
-                "prefill_per_token": cost.prefill_per_token,
-                "decode_per_request": cost.decode_per_request,
-            },
+            "cost_model": attrs.asdict(cost),  # step_overhead, prefill/decode costs
             "incremental_publication": [r.to_dict() for r in inc],
             "single_flight": [r.to_dict() for r in sf],
             "late_arrival": [r.to_dict() for r in late],

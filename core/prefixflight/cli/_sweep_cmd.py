@@ -1,7 +1,7 @@
 """``prefixflight sweep TRACE``: exact token hit rate versus cache capacity, per policy.
 
 LRU runs every capacity in one pass over the trace (Mattson's stack distances,
-`prefixflight.core.LRUCurve`). S3FIFO has no stack property, so each capacity is its own
+`prefixflight.core.cache.LRUCurve`). S3FIFO has no stack property, so each capacity is its own
 replay; they run in parallel worker processes, each streaming the trace itself.
 """
 
@@ -15,15 +15,8 @@ from typing import Any
 
 import attrs
 
-from prefixflight.core import (
-    CurvePoint,
-    LRUCurve,
-    PrefixflightError,
-    ReplayConfig,
-    UsageError,
-    auto_capacities,
-    replay,
-)
+from prefixflight.core import PrefixflightError, ReplayConfig, UsageError, replay
+from prefixflight.core.cache import CurvePoint, LRUCurve, auto_capacities
 
 from ._args import at_least, output_file, ratio, usage_errors
 from ._io import atomic_path, read_trace, write_atomic, write_stdout

@@ -8,8 +8,8 @@ Plain checks (``check_*``) return the value or raise with the offending value na
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
-from typing import Any, NoReturn, TypeAlias, cast
+from collections.abc import Callable, Hashable, Iterable
+from typing import Any, NoReturn, TypeAlias, TypeGuard, cast
 
 from ._errors import ConfigError, UsageError
 
@@ -19,14 +19,22 @@ __all__ = [
     "CheckedFloat",
     "CheckedInt",
     "assert_never",
+    "check_block_hashes",
+    "check_choice",
     "check_instance",
     "check_int",
+    "check_name",
+    "check_number",
     "check_ratio",
     "check_request_id",
     "check_time",
     "check_token_ids",
+    "choice_field",
     "instance_field",
     "int_field",
+    "is_int",
+    "is_real",
+    "number_field",
     "optional_int_field",
     "ratio_field",
     "request_id_field",
@@ -46,6 +54,17 @@ INT64_MAX = 2**63 - 1
 CheckedInt: TypeAlias = int | bool
 CheckedFloat: TypeAlias = float | int
 Validator = Callable[[Any, Any, Any], None]
+
+
+def is_int(value: object) -> TypeGuard[int]:
+    """An int and not a bool: what every check here means by "an int" (for callers that
+    raise an error of their own, such as the trace parser's `TraceFormatError`)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_real(value: object) -> TypeGuard[int | float]:
+    """An int or a float and not a bool: what every check here means by "a number"."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def check_int(
@@ -73,6 +92,63 @@ def check_ratio(name: str, value: object, *, error: type[UsageError] = ConfigErr
     if not 0.0 <= value <= 1.0:  # also rejects NaN
         raise error(f"{name} must be in [0, 1], got {value!r}")
     return float(value)
+
+
+def check_number(
+    name: str,
+    value: object,
+    *,
+    minimum: float | None = None,
+    above: float | None = None,
+    finite: bool = False,
+    error: type[UsageError] = ConfigError,
+) -> float:
+    """``value`` as a float if it is a real number (finite if ``finite``), at least
+    ``minimum`` or greater than ``above``; NaN passes no bound."""
+    if not (
+        is_real(value)
+        and (not finite or math.isfinite(value))
+        and (minimum is None or value >= minimum)
+        and (above is None or value > above)
+    ):
+        kind = "a finite number" if finite else "a number"
+        bound = "" if minimum is None else f" >= {minimum}"
+        bound += "" if above is None else f" > {above}"
+        raise error(f"{name} must be {kind}{bound}, got {value!r}")
+    return float(value)
+
+
+def check_choice(
+    name: str, value: object, choices: tuple[str, ...], *, error: type[UsageError] = ConfigError
+) -> str:
+    """``value`` if it is one of ``choices`` (the literal strings of a ``Literal`` type)."""
+    if value not in choices:
+        listed = [repr(c) for c in choices]
+        either = listed[0] if len(listed) == 1 else f"{', '.join(listed[:-1])} or {listed[-1]}"
+        raise error(f"{name} must be {either}, got {value!r}")
+    return value
+
+
+def check_name(name: str, value: object, *, error: type[UsageError] = UsageError) -> str:
+    """``value`` if it is a non-empty str (a replica's name, a model's name)."""
+    if not isinstance(value, str) or not value:
+        raise error(f"{name} must be a non-empty str, got {value!r}")
+    return value
+
+
+def check_block_hashes(value: Iterable[Hashable], name: str = "blocks") -> tuple[Hashable, ...]:
+    """The block hashes as a tuple of hashable values, block 0 first (a one-shot iterator is
+    materialised once). A str or bytes is not a sequence of block hashes here."""
+    if isinstance(value, (str, bytes)):
+        raise UsageError(f"{name} must be a sequence of block hashes, got {value!r}")
+    try:
+        out = tuple(value)
+        hash(out)  # one C-level pass: every block hash must be hashable
+    except TypeError:
+        raise UsageError(
+            f"{name} must be a sequence of hashable block hashes, got {value!r}"
+        ) from None
+    return out
 
 
 def check_time(
@@ -130,11 +206,17 @@ def check_token_ids(
 
 
 def check_instance(
-    name: str, value: object, cls: type[Any], *, error: type[UsageError] = ConfigError
+    name: str,
+    value: object,
+    cls: type[Any] | tuple[type[Any], ...],
+    *,
+    error: type[UsageError] = ConfigError,
 ) -> None:
-    """``value`` must be an instance of ``cls`` (an enum member, a config object)."""
+    """``value`` must be an instance of ``cls``, or of one of them (an enum member, a config
+    object, a str or bytes)."""
     if not isinstance(value, cls):
-        raise error(f"{name} must be a {cls.__name__}, got {value!r}")
+        names = [c.__name__ for c in cls] if isinstance(cls, tuple) else [cls.__name__]
+        raise error(f"{name} must be a {' or '.join(names)}, got {value!r}")
 
 
 def int_field(
@@ -165,6 +247,32 @@ def instance_field(cls: type[Any], *, error: type[UsageError] = ConfigError) -> 
 
     def check(_inst: object, attribute: Any, value: object) -> None:
         check_instance(attribute.name, value, cls, error=error)
+
+    return check
+
+
+def number_field(
+    *,
+    minimum: float | None = None,
+    above: float | None = None,
+    finite: bool = False,
+    error: type[UsageError] = ConfigError,
+) -> Validator:
+    """An attrs validator: `check_number` under the attribute's name."""
+
+    def check(_inst: object, attribute: Any, value: object) -> None:
+        check_number(
+            attribute.name, value, minimum=minimum, above=above, finite=finite, error=error
+        )
+
+    return check
+
+
+def choice_field(choices: tuple[str, ...], *, error: type[UsageError] = ConfigError) -> Validator:
+    """An attrs validator: `check_choice` under the attribute's name."""
+
+    def check(_inst: object, attribute: Any, value: object) -> None:
+        check_choice(attribute.name, value, choices, error=error)
 
     return check
 

@@ -43,14 +43,14 @@ from prefixflight.core import (
     PrefixCache,
     ReplicaLoad,
     RequestId,
-    Rng,
     Routed,
     Router,
     RouteRequest,
     TraceRecord,
     UsageError,
 )
-from prefixflight.core._validate import check_int
+from prefixflight.core._validate import check_int, check_number
+from prefixflight.core.routing import Rng
 
 __all__ = [
     "ClusterConfig",
@@ -64,16 +64,10 @@ __all__ = [
 
 
 def _positive(name: str, value: object, *, zero_ok: bool = False) -> None:
-    ok = (
-        not isinstance(value, bool)
-        and isinstance(value, (int, float))
-        and math.isfinite(value)
-        and (value >= 0 if zero_ok else value > 0)
-    )
-    if not ok:
-        raise ConfigError(
-            f"{name} must be a finite number {'>= 0' if zero_ok else '> 0'}, got {value!r}"
-        )
+    if zero_ok:
+        check_number(name, value, minimum=0, finite=True)
+    else:
+        check_number(name, value, above=0, finite=True)
 
 
 def _span(name: str, value: object, minimum: int) -> tuple[int, int]:
@@ -87,6 +81,7 @@ def _span(name: str, value: object, minimum: int) -> tuple[int, int]:
     return lo, hi
 
 
+@final
 @attrs.frozen(kw_only=True)
 class ClusterConfig:
     """Replicas and their cost model. Defaults: a ~4B model on one GPU, roughly."""
@@ -110,6 +105,7 @@ class ClusterConfig:
         return tuple(f"replica-{i:0{width}d}" for i in range(self.replicas))
 
 
+@final
 @attrs.frozen(kw_only=True)
 class SimRequest:
     """One request of a workload.
@@ -129,6 +125,7 @@ class SimRequest:
     cache_blocks: tuple[BlockHash, ...]
 
 
+@final
 @attrs.frozen(kw_only=True)
 class Workload:
     """Requests sorted by (step, arrival); ``chained`` steps start when the previous ends."""
@@ -291,6 +288,7 @@ def trace_workload(
     )
 
 
+@final
 @attrs.frozen(kw_only=True)
 class RouterReport:
     """What one router did on one workload."""

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterable
+from typing import final
 
 import attrs
 
@@ -37,34 +38,29 @@ from prefixflight.core import (
     ConfigError,
     FlightConfig,
     FlightCoordinator,
-    FlightStats,
     PrefixCache,
     RequestId,
     RequestReport,
-    Role,
     Scheduler,
     SchedulerConfig,
-    SchedulerStats,
     StepPlan,
     StepResult,
     UsageError,
 )
+from prefixflight.core._validate import check_ratio, is_int, is_real, number_field
+from prefixflight.core.flight import FlightStats, Role, SchedulerStats
 
 __all__ = ["Arrival", "CostModel", "SimulationResult", "simulate_engine"]
 
 
-def _non_negative(_inst: object, a: attrs.Attribute[float], value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-        raise ConfigError(f"{a.name} must be a number >= 0, got {value!r}")
-
-
+@final
 @attrs.frozen(kw_only=True)
 class CostModel:
     """Seconds per step: a fixed overhead, plus prefill tokens, plus decodes (see module)."""
 
-    step_overhead: float = attrs.field(validator=_non_negative)
-    prefill_per_token: float = attrs.field(validator=_non_negative)
-    decode_per_request: float = attrs.field(validator=_non_negative)
+    step_overhead: float = attrs.field(validator=number_field(minimum=0))
+    prefill_per_token: float = attrs.field(validator=number_field(minimum=0))
+    decode_per_request: float = attrs.field(validator=number_field(minimum=0))
 
     @classmethod
     def calibrated(
@@ -96,8 +92,7 @@ class CostModel:
             per_request = (decode_batch8 - decode_batch1) / 7
             overhead = decode_batch1 - per_request
         else:
-            if not 0.0 <= overhead_share <= 1.0:
-                raise ConfigError(f"overhead_share must be in [0, 1], got {overhead_share!r}")
+            check_ratio("overhead_share", overhead_share)
             overhead = decode_batch1 * overhead_share
             per_request = decode_batch1 - overhead
         return cls(
@@ -130,9 +125,9 @@ class CostModel:
         rows = []
         for sample in samples:
             n, k, t = sample
-            if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+            if not is_real(t) or not t > 0:
                 raise ConfigError(f"a sample's time must be a number > 0, got {sample!r}")
-            if not (type(n) is int and type(k) is int and n >= 0 and k >= 0):
+            if not (is_int(n) and is_int(k) and n >= 0 and k >= 0):
                 raise ConfigError(
                     f"a sample's token and decode counts must be ints >= 0, got {sample!r}"
                 )
@@ -198,6 +193,7 @@ def _token_tuple(tokens: Iterable[int]) -> tuple[int, ...]:
     return tuple(tokens)
 
 
+@final
 @attrs.frozen(kw_only=True)
 class Arrival:
     """A request of the workload. It arrives at ``at`` seconds, or, with ``after=(rid, n)``,
@@ -211,6 +207,7 @@ class Arrival:
     namespace: bytes = b""
 
 
+@final
 @attrs.frozen(kw_only=True)
 class SimulationResult:
     """Per-request reports (in arrival order) and the components' stats."""

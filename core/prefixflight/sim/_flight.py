@@ -9,7 +9,7 @@ completions are whatever the scheduler, coordinator and cost model produce.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, final
 
 import attrs
 
@@ -29,6 +29,7 @@ __all__ = [
 ]
 
 
+@final
 @attrs.frozen(kw_only=True)
 class FlightSimConfig:
     """Engine shape shared by every experiment (block size as in the study: 16).
@@ -55,6 +56,7 @@ class FlightSimConfig:
         return FlightConfig(policy=policy, block_size=self.block_size, **kw)
 
 
+@final
 @attrs.frozen(kw_only=True)
 class FlightRow:
     """One measured configuration. Times are simulated seconds."""
@@ -203,6 +205,7 @@ def simulate_late_arrival(
     return rows
 
 
+@final
 @attrs.frozen(kw_only=True)
 class FindingsRow:
     """Whether the single-flight study's subtler findings hold under one cost model."""

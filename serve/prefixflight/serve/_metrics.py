@@ -14,14 +14,15 @@ metrics (latencies, cache queries and hits) are recorded by the server as reques
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, final
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from prefixflight.core import FinishReason, RequestReport, RequestState, Role
+from prefixflight.core import FinishReason, RequestReport
+from prefixflight.core.flight import RequestState, Role
 
 if TYPE_CHECKING:
     from prefixflight.backends.torch import AsyncEngine
@@ -72,7 +73,9 @@ class ServeMetrics:
         "registry",
     )
 
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(
+        self, engine: AsyncEngine, model_name: str, in_progress: Callable[[], int] = lambda: 0
+    ) -> None:
         reg = self.registry = CollectorRegistry()
         values = self._values = (model_name, "0")
 
@@ -124,6 +127,12 @@ class ServeMetrics:
             [*LABELS, "reason"],
             registry=reg,
         )
+        Gauge(
+            "prefixflight:requests_in_progress",
+            "Choices the server admitted that have not ended (the count behind 429).",
+            LABELS,
+            registry=reg,
+        ).labels(*values).set_function(lambda: float(in_progress()))
         for reason in ("overloaded", "unavailable"):
             self._rejected.labels(*values, reason)
         for reason in _FINISHED.values():

@@ -4,10 +4,17 @@ The machines and strategies need the ``specs`` extra (Hypothesis). Point the mac
 your own implementation::
 
     run_state_machine_as_test(S3FIFOConformance.for_factory(MyS3FIFO))
+    run_state_machine_as_test(PrefixEngineConformance.for_adapter(MyEngineAdapter))
+
+An implementation declares how it differs from prefixflight's semantics (`EngineSemantics`,
+`PolicySemantics`) and the machines follow the declaration; `prefixflight.specs.adapters`
+has the declared adapters of vLLM, SGLang and libCacheSim (``prefixflight conform`` runs
+them). `isolated` runs an implementation in a worker process, so a crash is a finding.
 
 `FakeBackend` (a development backend for a host loop) and the reference models need only
 ``prefixflight.core``: the modules that import Hypothesis are loaded on first use of one of
-their names, so ``from prefixflight.specs import FakeBackend`` works without it.
+their names, so ``from prefixflight.specs import FakeBackend`` works without it (so do the
+declarations, `ReferencePrefixEngine` and the adapters).
 """
 
 from __future__ import annotations
@@ -15,12 +22,23 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from ._adapter import EngineAdapter, KVChange, PoolView
 from ._backend import FakeBackend
+from ._declare import (
+    EngineCrashed,
+    EngineSemantics,
+    PolicySemantics,
+    Unsupported,
+    declared_differences,
+)
+from ._engine_ref import ReferencePrefixEngine
+from ._isolate import isolated
 from ._reference import ReferenceLRU, ReferenceReplay, ReferenceS3FIFO, reference_replay
 
 if TYPE_CHECKING:
     from ._cache_machine import CacheConformance
     from ._curves import LRUCurveConformance, ReferenceLRUCurve
+    from ._engine_machine import PrefixEngineConformance
     from ._flight import CoordinatorUnderTest, FlightCoordinatorMachine, FlightModel
     from ._machines import LRUConformance, PolicyConformance, S3FIFOConformance
     from ._router import (
@@ -41,6 +59,7 @@ _LAZY = {
     "CacheConformance": "_cache_machine",
     "LRUCurveConformance": "_curves",
     "ReferenceLRUCurve": "_curves",
+    "PrefixEngineConformance": "_engine_machine",
     "CoordinatorUnderTest": "_flight",
     "FlightCoordinatorMachine": "_flight",
     "FlightModel": "_flight",
@@ -82,23 +101,34 @@ __all__ = [
     "BurstRouterConformance",
     "CacheConformance",
     "CoordinatorUnderTest",
+    "EngineAdapter",
+    "EngineCrashed",
+    "EngineSemantics",
     "FakeBackend",
     "FlightCoordinatorMachine",
     "FlightModel",
+    "KVChange",
     "LRUConformance",
     "LRUCurveConformance",
     "PolicyConformance",
+    "PolicySemantics",
+    "PoolView",
+    "PrefixEngineConformance",
     "ReferenceLRU",
     "ReferenceLRUCurve",
+    "ReferencePrefixEngine",
     "ReferenceReplay",
     "ReferenceS3FIFO",
     "ReferenceWindow",
     "S3FIFOConformance",
     "SchedulerFactory",
     "SchedulerMachine",
+    "Unsupported",
     "WindowedRouter",
     "burst_configs",
     "chained_blocks",
+    "declared_differences",
+    "isolated",
     "policy_configs",
     "reference_assign",
     "reference_replay",

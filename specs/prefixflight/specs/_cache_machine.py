@@ -11,23 +11,28 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
-from hypothesis import note
+from hypothesis import assume, note
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from prefixflight.core import (
     S3FIFO,
-    AllBlocksCleared,
     BlockHash,
-    BlockRemoved,
-    BlockStored,
     CapacityError,
-    KVEvent,
     PrefixCache,
     UsageError,
 )
 from prefixflight.core._validate import assert_never
+from prefixflight.core.cache import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+)
 
+from ._adapter import name_of, semantics_of
+from ._declare import PolicySemantics, Unsupported
+from ._machines import s3fifo_reference
 from ._reference import ReferenceLRU, ReferenceS3FIFO
 from ._strategies import s3fifo_configs
 
@@ -70,26 +75,51 @@ class _ModelCache:
 
 
 class CacheConformance(RuleBasedStateMachine):
-    """`PrefixCache` over an S3FIFO built by ``factory`` against the model."""
+    """`PrefixCache` over an S3FIFO built by ``factory`` against the model.
+
+    This checks prefixflight's `PrefixCache` around your *policy*; to check an engine's own
+    prefix cache, use `PrefixEngineConformance`.
+    """
 
     factory: ClassVar[Callable[..., Any]] = S3FIFO
+    semantics: ClassVar[PolicySemantics] = PolicySemantics()
+    configs: ClassVar[st.SearchStrategy[dict[str, Any]]] = s3fifo_configs(max_capacity=6)
 
     @classmethod
-    def for_factory(cls, factory: Callable[..., Any]) -> type[CacheConformance]:
-        """Check a `PrefixCache` over your S3FIFO-compatible policy."""
-        return type(
-            f"{cls.__name__}_{factory.__name__}", (cls,), {"factory": staticmethod(factory)}
-        )
+    def for_factory(
+        cls,
+        factory: Callable[..., Any],
+        *,
+        semantics: PolicySemantics | None = None,
+        configs: st.SearchStrategy[dict[str, Any]] | None = None,
+    ) -> type[CacheConformance]:
+        """Check a `PrefixCache` over your S3FIFO-compatible policy (any callable taking a
+        config's keywords); ``semantics`` and ``configs`` as for `S3FIFOConformance`. The
+        cache needs the policy to report its evictions."""
+        declared = semantics or semantics_of(factory) or PolicySemantics()
+        if declared.evictions != "reported":
+            raise UsageError("a PrefixCache needs a policy whose access() reports evictions")
+        body: dict[str, Any] = {"factory": staticmethod(factory), "semantics": declared}
+        if configs is not None:
+            body["configs"] = configs
+        return type(f"{cls.__name__}_{name_of(factory)}", (cls,), body)
 
-    @initialize(config=s3fifo_configs(max_capacity=6))
-    def start(self, config: dict[str, Any]) -> None:
+    def _has(self, op: str) -> bool:
+        return hasattr(self, "cache") and op in type(self).semantics.ops
+
+    @initialize(data=st.data())
+    def start(self, data: st.DataObject) -> None:
+        config = data.draw(type(self).configs, label="config")
         note(f"config: {config}")
         self.config = config
         self.events: list[KVEvent] = []
-        self.cache = PrefixCache(
-            type(self).factory(**config), _BLOCK_SIZE, event_sink=self.events.append
-        )
-        self.model = _ModelCache(ReferenceS3FIFO(**config))
+        try:
+            policy = type(self).factory(**config)
+        except Unsupported as exc:
+            note(f"unsupported config: {exc}")
+            assume(False)
+        self.cache = PrefixCache(policy, _BLOCK_SIZE, event_sink=self.events.append)
+        self.model = _ModelCache(s3fifo_reference(config, type(self).semantics))
         self.mirror: set[BlockHash] = set()
         self.next_page = 0
 
@@ -119,7 +149,7 @@ class CacheConformance(RuleBasedStateMachine):
             lambda: self.cache.publish(blocks, pages), lambda: self.model.publish(blocks, pages)
         )
 
-    @precondition(lambda self: len(self.model.policy) > 0)
+    @precondition(lambda self: self._has("pin") and len(self.model.policy) > 0)
     @rule(data=st.data())
     def pin(self, data: st.DataObject) -> None:
         blocks = data.draw(
@@ -133,13 +163,14 @@ class CacheConformance(RuleBasedStateMachine):
             self.model.policy.pin(b)
         self.cache.pin(blocks)
 
-    @precondition(lambda self: bool(self.model.policy.pins))
+    @precondition(lambda self: self._has("pin") and bool(self.model.policy.pins))
     @rule(data=st.data())
     def unpin(self, data: st.DataObject) -> None:
         block = data.draw(st.sampled_from(sorted(self.model.policy.pins, key=repr)))
         self.model.policy.unpin(block)
         self.cache.unpin([block])
 
+    @precondition(lambda self: self._has("evict"))
     @rule()
     def evict(self) -> None:
         victim = self.model.policy.evict()
@@ -147,11 +178,12 @@ class CacheConformance(RuleBasedStateMachine):
         self.model.evictions += 0 if victim is None else 1
         assert self.cache.evict() == want
 
-    @precondition(lambda self: not self.model.policy.pins)
+    @precondition(lambda self: hasattr(self, "cache") and not self.model.policy.pins)
     @rule()
     def clear(self) -> None:
         self.cache.clear()
-        self.model.policy = ReferenceS3FIFO(**self.config)  # counters survive a clear
+        # counters survive a clear
+        self.model.policy = s3fifo_reference(self.config, type(self).semantics)
         self.model.pages.clear()
 
     @invariant()

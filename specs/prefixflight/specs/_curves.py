@@ -24,7 +24,8 @@ from hypothesis import note
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from prefixflight.core import BlockHash, LRUCurve
+from prefixflight.core import BlockHash
+from prefixflight.core.cache import LRUCurve
 
 from ._reference import ReferenceLRU
 

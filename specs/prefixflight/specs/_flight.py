@@ -27,16 +27,22 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from prefixflight.core import (
-    Aborted,
-    Arrived,
     BlockHash,
     BlockHasher,
-    Finished,
     FlightConfig,
     FlightCoordinator,
+    FlightKey,
+    ReleasePolicy,
+    RequestId,
+    UsageError,
+)
+from prefixflight.core._validate import assert_never
+from prefixflight.core.flight import (
+    Aborted,
+    Arrived,
+    Finished,
     FlightDecision,
     FlightEvent,
-    FlightKey,
     FlightStats,
     Independent,
     Lead,
@@ -45,14 +51,10 @@ from prefixflight.core import (
     Progress,
     Promote,
     Release,
-    ReleasePolicy,
     ReleaseReason,
-    RequestId,
     Tick,
-    UsageError,
     Wait,
 )
-from prefixflight.core._validate import assert_never
 
 __all__ = ["CoordinatorUnderTest", "FlightCoordinatorMachine", "FlightModel"]
 

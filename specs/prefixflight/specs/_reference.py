@@ -54,7 +54,15 @@ class _Pinning:
 
 
 class ReferenceS3FIFO(_Pinning):
-    """S3FIFO exactly as the replay task writes it: three FIFO queues and a saturating freq."""
+    """S3FIFO exactly as the replay task writes it: three FIFO queues and a saturating freq.
+
+    The keyword-only arguments select a declared variant (see `PolicySemantics`): ``sizing``
+    (``"round"``: banker's rounding of ``capacity * small_ratio``, or ``"floor"``),
+    ``promote_at`` (the frequency that promotes a small-queue head to main), ``small_queue``
+    (``"bounded"``: the task's flow; ``"when-full"``: libCacheSim's ``S3FIFO.c`` flow, which
+    evicts only when the whole cache is full) and ``min_small_blocks``. The defaults are the
+    replay task's.
+    """
 
     def __init__(
         self,
@@ -62,13 +70,25 @@ class ReferenceS3FIFO(_Pinning):
         small_ratio: float = 0.1,
         max_freq: int = 3,
         ghost_admit_freq: int = 0,
+        *,
+        sizing: str = "round",
+        promote_at: int = 1,
+        small_queue: str = "bounded",
+        min_small_blocks: int = 1,
     ) -> None:
         self.capacity = capacity
         self.max_freq = max_freq
         self.ghost_admit_freq = ghost_admit_freq
-        self.small_cap = round(capacity * small_ratio)  # banker's rounding
+        if sizing == "round":
+            self.small_cap = round(capacity * small_ratio)  # banker's rounding
+        else:
+            self.small_cap = int(capacity * small_ratio)
         self.main_cap = capacity - self.small_cap
         self.ghost_cap = self.main_cap  # ghost is as large as main, not small
+        self.promote_at = promote_at
+        self.when_full = small_queue == "when-full"
+        self.min_small_blocks = min_small_blocks
+        self.has_evicted = False  # "when-full": before the first eviction S overflows to M
         self.S: deque[BlockHash] = deque()  # head = left, tail = right
         self.M: deque[BlockHash] = deque()
         self.G: dict[BlockHash, None] = {}  # an ordered set: first key = head
@@ -114,6 +134,8 @@ class ReferenceS3FIFO(_Pinning):
         return evicted
 
     def access_one(self, h: BlockHash) -> list[BlockHash]:
+        if self.when_full:
+            return self._access_when_full(h)
         evicted: list[BlockHash] = []
         if self.is_resident(h):  # in S or in M: the same rule
             self.freq[h] = min(self.freq[h] + 1, self.max_freq)  # saturating
@@ -140,7 +162,7 @@ class ReferenceS3FIFO(_Pinning):
             return
         if len(self.S) >= self.small_cap:
             head = self.S[0]
-            to_main = self.freq[head] >= 1 or head in self.pins
+            to_main = self.freq[head] >= self.promote_at or head in self.pins
             if to_main and (
                 (self.main_cap == 0 and head in self.pins)
                 or (self.main_cap > 0 and not self._main_can_take())
@@ -153,7 +175,7 @@ class ReferenceS3FIFO(_Pinning):
         while len(self.S) >= self.small_cap:
             victim = self.S.popleft()
             vf = self.freq[victim]
-            if vf >= 1 or victim in self.pins:  # warm (or pinned): promote, freq preserved
+            if vf >= self.promote_at or victim in self.pins:  # warm (or pinned): promote
                 if self.main_cap > 0:
                     self.admit_to_M(victim, vf, evicted)
                 else:  # main of size 0: nothing enters main and nothing is ghosted
@@ -196,8 +218,60 @@ class ReferenceS3FIFO(_Pinning):
             del self.G[next(iter(self.G))]
         self.G[h] = None
 
+    # the "when-full" variant (libCacheSim's S3FIFO.c) -----------------------------------
+    def _access_when_full(self, h: BlockHash) -> list[BlockHash]:
+        """``cache_get_base`` over ``S3FIFO_find``/``S3FIFO_evict``/``S3FIFO_insert``."""
+        if h in self.S or h in self.M:
+            self.freq[h] = min(self.freq[h] + 1, self.max_freq)
+            return []
+        ghost_hit = h in self.G
+        self.G.pop(h, None)
+        evicted: list[BlockHash] = []
+        while len(self) + 1 > self.capacity:
+            self._evict_when_full(evicted)
+        if ghost_hit:
+            self.M.append(h)
+        elif self.small_cap < self.min_small_blocks:
+            return evicted  # a block as large as the small queue is never admitted
+        elif not self.has_evicted and len(self.S) >= self.small_cap:
+            self.M.append(h)  # before the first eviction, S overflows straight into M
+        else:
+            self.S.append(h)
+        self.freq[h] = 0
+        return evicted
+
+    def _evict_when_full(self, evicted: list[BlockHash]) -> None:
+        """One ``S3FIFO_evict``: from M if M is over its size or S is empty, else from S
+        (promoting warm heads to M until one cold head is ghosted and evicted)."""
+        self.has_evicted = True
+        if len(self.M) > self.main_cap or not self.S:
+            while self.M:
+                victim = self.M.popleft()
+                if self.freq[victim] >= 1:
+                    self.freq[victim] -= 1
+                    self.M.append(victim)
+                    continue
+                del self.freq[victim]
+                evicted.append(victim)
+                return
+            return
+        while self.S:
+            head = self.S.popleft()
+            if self.freq[head] >= self.promote_at:
+                self.M.append(head)
+                self.freq[head] = 0
+                continue
+            del self.freq[head]
+            self.insert_to_G(head)
+            evicted.append(head)
+            return
+
     # engine operations -------------------------------------------------------------------
     def evict(self) -> BlockHash | None:
+        if self.when_full:
+            out: list[BlockHash] = []
+            self._evict_when_full(out)
+            return out[0] if out else None
         if all(h in self.pins for h in self.freq):
             return None
         for _ in range(len(self.S)):
@@ -205,17 +279,17 @@ class ReferenceS3FIFO(_Pinning):
                 break
             head = self.S[0]
             pinned = head in self.pins
-            if self.freq[head] == 0 and not pinned:
+            if self.freq[head] < self.promote_at and not pinned:
                 self.S.popleft()
                 del self.freq[head]
                 self.insert_to_G(head)
                 return head
             if self.main_cap > 0 and self._main_can_take():
                 self.S.popleft()
-                out: list[BlockHash] = []
-                self.admit_to_M(head, self.freq[head], out)
-                if out:
-                    return out[0]
+                moved: list[BlockHash] = []
+                self.admit_to_M(head, self.freq[head], moved)
+                if moved:
+                    return moved[0]
             elif not pinned:
                 self.S.popleft()
                 del self.freq[head]

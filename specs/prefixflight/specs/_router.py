@@ -25,17 +25,15 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from prefixflight.core import (
-    Assignment,
     BlockHash,
     BurstConfig,
     BurstRouter,
-    NoAffinity,
-    Placed,
     ReplicaLoad,
     RequestId,
     RouteRequest,
     UsageError,
 )
+from prefixflight.core.routing import Assignment, NoAffinity, Placed
 
 __all__ = [
     "BurstRouterConformance",

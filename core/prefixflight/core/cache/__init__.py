@@ -1,6 +1,7 @@
 """The block-level prefix cache: chained block hashes, eviction policies (S3FIFO, LRU), the
 `PrefixCache` with pins and KV events, Mooncake trace records, trace replay and exact LRU
-hit-rate curves.
+hit-rate curves; ``compiled`` says whether the optional compiled build of these modules is
+loaded.
 
 A module is imported on first use of one of its names, so a trace replay does not pay for
 the hashers' and the curves' classes at start-up.
@@ -13,6 +14,7 @@ import typing
 from .._lazy import lazy_attributes as _lazy_attributes
 
 if typing.TYPE_CHECKING:
+    from ._build import compiled
     from ._cache import (
         AllBlocksCleared,
         BlockRemoved,
@@ -30,6 +32,7 @@ if typing.TYPE_CHECKING:
 
 # name -> the module that defines it (imported on first use of one of its names)
 _LAZY = {
+    "compiled": "_build",
     "AllBlocksCleared": "_cache",
     "BlockRemoved": "_cache",
     "BlockStored": "_cache",
@@ -83,6 +86,7 @@ __all__ = [
     "TraceReader",
     "TraceRecord",
     "auto_capacities",
+    "compiled",
     "lru_curve",
     "parse_trace_line",
     "replay",

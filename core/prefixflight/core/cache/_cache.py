@@ -32,6 +32,7 @@ __all__ = [
 ]
 
 
+@final
 @attrs.frozen(kw_only=True)
 class BlockStored:
     """Blocks entered the cache (shaped like vLLM's ``BlockStored`` KV event).
@@ -45,6 +46,7 @@ class BlockStored:
     block_size: int
 
 
+@final
 @attrs.frozen(kw_only=True)
 class BlockRemoved:
     """Blocks left the cache (vLLM's ``BlockRemoved``)."""
@@ -52,6 +54,7 @@ class BlockRemoved:
     block_hashes: tuple[BlockHash, ...]
 
 
+@final
 @attrs.frozen
 class AllBlocksCleared:
     """Every block left the cache (vLLM's ``AllBlocksCleared``)."""
@@ -61,6 +64,7 @@ KVEvent: TypeAlias = BlockStored | BlockRemoved | AllBlocksCleared
 EventSink: TypeAlias = Callable[[KVEvent], None]
 
 
+@final
 @attrs.frozen(kw_only=True)
 class CacheStats:
     """Counters since the cache was made. Rates are 0.0 when nothing was counted."""
@@ -183,8 +187,8 @@ class PrefixCache:
         admitted because everything is pinned, `CapacityError` is raised, the request is not
         counted, and the blocks before it (``error.applied`` of them) stay accessed.
         """
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
-            raise UsageError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+        if type(num_tokens) is not int or num_tokens < 0:  # the fast accept, else the check
+            check_int("num_tokens", num_tokens, minimum=0, error=UsageError)
         tokens: int = num_tokens
         policy = self._policy
         k = policy.resident_prefix(blocks)
@@ -376,12 +380,7 @@ class PrefixCache:
         """
         n = len(blocks)
         if len(set(blocks)) != n:
-            slow = self._access_with_events(blocks, pages)
-            if pages is None:
-                return slow, []
-            kept = {p for _, p in slow}
-            kept.update(self._pages.get(b) for b in blocks)
-            return slow, [p for p in pages if p not in kept]
+            return self._publish_repeated(blocks, pages)
         access_into = self._access_into
         assert access_into is not None
         contains = self._resident.__contains__
@@ -395,39 +394,91 @@ class PrefixCache:
         except CapacityError as exc:
             error = exc
             applied = exc.applied
-        pmap = self._pages
-        pop = pmap.pop
         if error is None and all_new and all(map(contains, blocks)):
             # the common case: every block was new, was admitted and is still resident, so
             # no eviction touched the batch and every page was attached
+            pmap = self._pages
             if pages is not None:
                 pmap.update(zip(blocks, pages, strict=True))
             if evicted:
                 self._evictions += len(evicted)
-            return list(zip(evicted, map(pop, evicted, repeat(None)), strict=True)), []
+            return list(zip(evicted, map(pmap.pop, evicted, repeat(None)), strict=True)), []
+        accessed = blocks[:applied]
+        out, given_back, readmitted = self._pages_of_evicted(accessed, before, pages, evicted)
+        unused = self._attach_pages(blocks, pages, applied, before, given_back, readmitted)
+        if error is not None:
+            raise CapacityError(
+                str(error), applied=applied, evicted=out, unused_pages=unused
+            ) from None
+        return out, unused
+
+    def _publish_repeated(
+        self, blocks: Sequence[BlockHash], pages: Sequence[int] | None
+    ) -> tuple[list[tuple[BlockHash, int | None]], list[int]]:
+        """`_publish_batch` for blocks that repeat: block by block, then the pages neither
+        evicted nor attached are the unused ones."""
+        slow = self._access_with_events(blocks, pages)
+        if pages is None:
+            return slow, []
+        kept = {p for _, p in slow}
+        kept.update(self._pages.get(b) for b in blocks)
+        return slow, [p for p in pages if p not in kept]
+
+    def _pages_of_evicted(
+        self,
+        applied: Sequence[BlockHash],
+        before: list[bool],
+        pages: Sequence[int] | None,
+        evicted: list[BlockHash],
+    ) -> tuple[list[tuple[BlockHash, int | None]], set[int], set[int]]:
+        """The page of each evicted block of a batch whose ``applied`` blocks were accessed
+        (``before[i]``: block ``i`` was resident before the batch): a block outside the
+        batch, or a batch block's first eviction if it was resident before, gives back the
+        page it had; any other eviction of a batch block gives back the caller's page.
+        Returns the ``(block, page)`` pairs, the indices whose caller's page left that way,
+        and the indices that were resident, evicted, then admitted again."""
         out: list[tuple[BlockHash, int | None]] = []
         given_back: set[int] = set()  # indices whose page leaves through ``out``
         readmitted: set[int] = set()  # resident before, evicted, admitted again
-        if evicted:
-            index = {b: i for i, b in enumerate(blocks[:applied])}
-            times: dict[BlockHash, int] = {}
-            for e in evicted:
-                i = index.get(e)
-                if i is None:
-                    out.append((e, pop(e, None)))
-                    continue
-                c = times.get(e, 0)
-                times[e] = c + 1
-                if before[i] and c == 0:
-                    out.append((e, pop(e, None)))  # its old page, before its own access
-                    readmitted.add(i)
-                else:
-                    out.append((e, pages[i] if pages is not None else None))
-                    given_back.add(i)
-                    readmitted.discard(i)
-            self._evictions += len(evicted)
+        if not evicted:
+            return out, given_back, readmitted
+        pop = self._pages.pop
+        index = {b: i for i, b in enumerate(applied)}
+        times: dict[BlockHash, int] = {}
+        for e in evicted:
+            i = index.get(e)
+            if i is None:
+                out.append((e, pop(e, None)))
+                continue
+            c = times.get(e, 0)
+            times[e] = c + 1
+            if before[i] and c == 0:
+                out.append((e, pop(e, None)))  # its old page, before its own access
+                readmitted.add(i)
+            else:
+                out.append((e, pages[i] if pages is not None else None))
+                given_back.add(i)
+                readmitted.discard(i)
+        self._evictions += len(evicted)
+        return out, given_back, readmitted
+
+    def _attach_pages(
+        self,
+        blocks: Sequence[BlockHash],
+        pages: Sequence[int] | None,
+        applied: int,
+        before: list[bool],
+        given_back: set[int],
+        readmitted: set[int],
+    ) -> list[int]:
+        """Attach the caller's page of every accessed block that this batch admitted and
+        that is still resident; return the other pages (not given back through an
+        eviction), in block order: those of blocks past ``applied``, already resident, or
+        not admitted."""
+        contains = self._resident.__contains__
+        pmap = self._pages
         unused: list[int] = []
-        for i in range(n):
+        for i in range(len(blocks)):
             page = pages[i] if pages is not None else None
             if i >= applied:
                 if page is not None:
@@ -440,11 +491,7 @@ class PrefixCache:
                     pmap[blocks[i]] = page
             elif page is not None:
                 unused.append(page)
-        if error is not None:
-            raise CapacityError(
-                str(error), applied=applied, evicted=out, unused_pages=unused
-            ) from None
-        return out, unused
+        return unused
 
     def _access_with_events(
         self,

@@ -43,6 +43,7 @@ _MASK = (1 << _SHIFT) - 1
 _BIT = tuple(1 << i for i in range(1 << _SHIFT))
 
 
+@final
 @attrs.frozen(kw_only=True)
 class CurvePoint:
     """One capacity's replay outcome; the same numbers `replay` reports for it."""
@@ -165,8 +166,8 @@ class LRUCurve:
 
     def access(self, blocks: Sequence[BlockHash], num_tokens: CheckedInt) -> tuple[int, ...]:
         """One request: its hit tokens under each capacity, then every block is accessed."""
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
-            raise UsageError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+        if type(num_tokens) is not int or num_tokens < 0:  # the fast accept, else the check
+            check_int("num_tokens", num_tokens, minimum=0, error=UsageError)
         tokens: int = num_tokens
         running = self._scan(blocks)
         self._touch(blocks)

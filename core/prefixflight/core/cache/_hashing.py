@@ -18,7 +18,7 @@ from typing import Final, Literal, TypeAlias, final
 
 import attrs
 
-from .._validate import check_int
+from .._validate import check_choice, check_instance, check_int, is_int
 from ._chain import chain_crc, chain_sha256
 
 __all__ = ["BlockHash", "BlockHasher", "HashAlgorithm"]
@@ -93,17 +93,11 @@ class BlockHasher:
 
     @namespace.validator
     def _check_namespace(self, _a: object, value: object) -> None:
-        if not isinstance(value, (str, bytes)):
-            from .._errors import ConfigError
-
-            raise ConfigError(f"namespace must be str or bytes, got {value!r}")
+        check_instance("namespace", value, (str, bytes))
 
     @algorithm.validator
     def _check_algorithm(self, _a: object, value: object) -> None:
-        if value not in ("sha256", "crc32x2"):
-            from .._errors import ConfigError
-
-            raise ConfigError(f"algorithm must be 'sha256' or 'crc32x2', got {value!r}")
+        check_choice("algorithm", value, ("sha256", "crc32x2"))
 
     def __attrs_post_init__(self) -> None:
         ns = _as_bytes(self.namespace)
@@ -149,8 +143,8 @@ class BlockHasher:
 
     @staticmethod
     def _parent_int(parent: BlockHash) -> int:
-        if isinstance(parent, bool) or not isinstance(parent, int) or not 0 <= parent < 2**64:
-            from .._errors import UsageError
+        if is_int(parent) and 0 <= parent < 2**64:
+            return parent
+        from .._errors import UsageError
 
-            raise UsageError(f"parent must be a 64-bit crc32x2 block hash, got {parent!r}")
-        return parent
+        raise UsageError(f"parent must be a 64-bit crc32x2 block hash, got {parent!r}")

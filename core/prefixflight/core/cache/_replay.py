@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal, TypeAlias
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias, final
 
 import attrs
 
@@ -32,6 +32,7 @@ def _policy_name(value: object) -> PolicyName:
     raise ConfigError(f"policy must be 's3fifo' or 'lru' (any case), got {value!r}")
 
 
+@final
 @attrs.frozen(kw_only=True)
 class ReplayConfig:
     """What a replay needs; validated on construction."""
@@ -73,6 +74,7 @@ class ReplayConfig:
         )
 
 
+@final
 @attrs.frozen
 class RequestResult:
     idx: int
@@ -80,6 +82,7 @@ class RequestResult:
     hit_tokens: int
 
 
+@final
 @attrs.frozen(kw_only=True)
 class ReplayReport:
     """The replay's outcome. `to_dict` gives the SkillsBench grader's schema."""

@@ -136,6 +136,7 @@ class FlightKey:
 
 
 # -- events ------------------------------------------------------------------------------
+@final
 @attrs.frozen(kw_only=True)
 class Arrived:
     """A request arrived. ``blocks`` (its chained full-block hashes) are only needed for
@@ -147,6 +148,7 @@ class Arrived:
     blocks: tuple[BlockHash, ...] = attrs.field(default=(), converter=_blocks)
 
 
+@final
 @attrs.frozen(kw_only=True)
 class Progress:
     """A request has published its first ``published_blocks`` full prompt blocks."""
@@ -156,6 +158,7 @@ class Progress:
     now: float = attrs.field(validator=time_field())
 
 
+@final
 @attrs.frozen(kw_only=True)
 class PrefillDone:
     """A request's prompt is computed and its full prompt blocks are published."""
@@ -164,6 +167,7 @@ class PrefillDone:
     now: float = attrs.field(validator=time_field())
 
 
+@final
 @attrs.frozen(kw_only=True)
 class Finished:
     """A request ended normally."""
@@ -172,6 +176,7 @@ class Finished:
     now: float = attrs.field(validator=time_field())
 
 
+@final
 @attrs.frozen(kw_only=True)
 class Aborted:
     """A request was aborted or failed (before or after its prefill)."""
@@ -180,6 +185,7 @@ class Aborted:
     now: float = attrs.field(validator=time_field())
 
 
+@final
 @attrs.frozen(kw_only=True)
 class Tick:
     """Time passed: followers that waited longer than ``max_wait`` are released."""
@@ -192,6 +198,7 @@ _EVENT_TYPES = (Arrived, Progress, PrefillDone, Finished, Aborted, Tick)
 
 
 # -- decisions ---------------------------------------------------------------------------
+@final
 @attrs.frozen(kw_only=True)
 class Lead:
     """The request leads ``flight``: admit it, it computes the prompt."""
@@ -200,6 +207,7 @@ class Lead:
     flight: int
 
 
+@final
 @attrs.frozen(kw_only=True)
 class Wait:
     """The request waits in ``flight`` without pages. ``blocks`` is how many leading blocks
@@ -210,6 +218,7 @@ class Wait:
     blocks: int | None = None
 
 
+@final
 @attrs.frozen(kw_only=True)
 class Independent:
     """The request is not coordinated: admit it, it computes on its own."""
@@ -217,6 +226,7 @@ class Independent:
     request_id: RequestId
 
 
+@final
 @attrs.frozen(kw_only=True)
 class Release:
     """These waiting requests may be admitted now (oldest first); they look the prefix up."""
@@ -226,6 +236,7 @@ class Release:
     reason: ReleaseReason
 
 
+@final
 @attrs.frozen(kw_only=True)
 class Promote:
     """The leader left before publishing: this follower (the oldest) leads ``flight`` now;
@@ -293,6 +304,7 @@ _VERBS: Final[Mapping[type[FlightEvent], str]] = {
 }
 
 
+@final
 @attrs.frozen(kw_only=True)
 class FlightConfig:
     """How the coordinator behaves.
@@ -320,6 +332,7 @@ class FlightConfig:
         check_int("block_size", self.block_size, minimum=1)
 
 
+@final
 @attrs.frozen(kw_only=True)
 class FlightStats:
     """Counters since the coordinator was made (times in the events' units)."""

@@ -44,6 +44,7 @@ def pages_for(num_prompt: int, max_new: int, block_size: int) -> int:
     return -(-positions // block_size)
 
 
+@final
 @attrs.define(eq=False, slots=True)
 class PageCounters:
     """The pool's share of `SchedulerStats` (same names)."""

@@ -18,7 +18,7 @@ step is used by no other request of that step.
 
 from __future__ import annotations
 
-from typing import Any, TypeAlias, cast
+from typing import Any, TypeAlias, cast, final
 
 import attrs
 
@@ -31,6 +31,7 @@ RequestId: TypeAlias = int | str
 """Request ids are the host's; the core never invents them."""
 
 
+@final
 @attrs.frozen(kw_only=True)
 class PrefillWork:
     """Compute ``token_ids`` at positions ``start .. start + len(token_ids) - 1``."""
@@ -50,6 +51,7 @@ class PrefillWork:
     by earlier steps."""
 
 
+@final
 @attrs.frozen(kw_only=True)
 class DecodeWork:
     """Compute one token (the last one sampled) at ``position`` and sample the next."""
@@ -61,6 +63,7 @@ class DecodeWork:
     """Page table covering at least ``[0, position + 1)``."""
 
 
+@final
 @attrs.frozen(kw_only=True)
 class StepPlan:
     """What to run in one forward pass (a batch of prefill chunks and decodes)."""
@@ -122,6 +125,7 @@ def _check_tokens(
         raise  # pragma: no cover  # one of them failed above
 
 
+@final
 @attrs.frozen(kw_only=True)
 class StepResult:
     """What the backend computed: the token sampled for every prefill with ``sample=True``

@@ -239,6 +239,7 @@ class FinishReason(enum.Enum):
     ABORTED = "aborted"
 
 
+@final
 @attrs.frozen(kw_only=True)
 class SchedulerConfig:
     """Pool and batching limits.
@@ -268,6 +269,7 @@ class SchedulerConfig:
         check_int("max_batch_tokens", self.max_batch_tokens, minimum=self.max_running)
 
 
+@final
 @attrs.frozen(kw_only=True)
 class RequestReport:
     """Per-request metrics, returned when a request finishes or is aborted.
@@ -307,6 +309,7 @@ class RequestReport:
         return self.finished_at - self.arrived_at
 
 
+@final
 @attrs.frozen(kw_only=True)
 class StepOutcome:
     """What `Scheduler.complete_step` did: the tokens it appended and the requests that ended."""
@@ -316,6 +319,7 @@ class StepOutcome:
     finished: tuple[RequestReport, ...]
 
 
+@final
 @attrs.frozen(kw_only=True)
 class SchedulerStats:
     """Counters since the scheduler was made."""
@@ -358,6 +362,7 @@ class SchedulerStats:
         return attrs.asdict(self)
 
 
+@final
 @attrs.frozen(kw_only=True)
 class PageUsage:
     """Where the pool's pages are; ``free + cached + private == total`` always."""

@@ -27,8 +27,8 @@ from typing import final
 
 import attrs
 
-from .._errors import ConfigError, UsageError
-from .._validate import assert_never, check_time
+from .._errors import UsageError
+from .._validate import assert_never, check_instance, check_int, check_number, check_time
 from ..cache._hashing import BlockHash
 from ..cache._policies import LRU
 from ..flight._plan import RequestId
@@ -84,6 +84,7 @@ class LeastLoadedRouter:
         """Nothing to learn."""
 
 
+@final
 @attrs.frozen(kw_only=True)
 class ApproxPrefixConfig:
     """llm-d's approximate prefix-cache scorer and its default weights."""
@@ -97,13 +98,9 @@ class ApproxPrefixConfig:
 
     def __attrs_post_init__(self) -> None:
         for name in ("lru_capacity_per_server", "max_prefix_blocks_to_match"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"{name} must be an int >= 1, got {v!r}")
+            check_int(name, getattr(self, name), minimum=1)
         for name in ("prefix_weight", "queue_weight", "kv_weight", "index_lag"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
-                raise ConfigError(f"{name} must be a number >= 0, got {v!r}")
+            check_number(name, getattr(self, name), minimum=0)
 
 
 @final
@@ -225,8 +222,7 @@ class BurstAffinityRouter:
     ) -> tuple[Routed, ...]:
         check_time("now", now, after=self._burst.now)
         reps = check_replicas(replicas)
-        if not isinstance(request, RouteRequest):
-            raise UsageError(f"expected a RouteRequest, got {request!r}")
+        check_instance("request", request, RouteRequest, error=UsageError)
         if request.request_id in self._held:
             raise UsageError(f"request {request.request_id!r} is already waiting")
         self._burst.update_replicas(reps)

@@ -39,7 +39,7 @@ from typing import Literal, TypeAlias, final
 import attrs
 
 from .._errors import ConfigError, UsageError
-from .._validate import check_int, check_time
+from .._validate import check_choice, check_instance, check_int, check_time
 from ..cache._hashing import BlockHash, BlockHasher
 from ..flight._plan import RequestId
 from ._protocol import ReplicaLoad, RouteRequest, check_replicas
@@ -63,6 +63,7 @@ DEFAULT_MAX_PREFIX_BLOCKS = 2048
 """llm-d's default cap on the blocks in a group key (``max_prefix_tokens_to_match=0``)."""
 
 
+@final
 @attrs.frozen(kw_only=True)
 class BurstConfig:
     """`BurstRouter`'s settings (llm-d's parameter names in snake case); validated here.
@@ -108,12 +109,8 @@ class BurstConfig:
         b = check_int("max_batch_size", self.max_batch_size, minimum=UNLIMITED)
         if b == 0:
             raise ConfigError(f"max_batch_size must be -1 (unlimited) or >= 1, got {b!r}")
-        if self.full_batch not in ("no_affinity", "seal_early"):
-            raise ConfigError(
-                f"full_batch must be 'no_affinity' or 'seal_early', got {self.full_batch!r}"
-            )
-        if self.balance_by not in ("requests", "tokens"):
-            raise ConfigError(f"balance_by must be 'requests' or 'tokens', got {self.balance_by!r}")
+        check_choice("full_batch", self.full_batch, ("no_affinity", "seal_early"))
+        check_choice("balance_by", self.balance_by, ("requests", "tokens"))
 
     @property
     def max_prefix_blocks(self) -> int:
@@ -127,6 +124,7 @@ class BurstConfig:
         return self.window_ms / 1000.0
 
 
+@final
 @attrs.frozen(kw_only=True)
 class Placed:
     """Send ``request_id`` to ``replica``: its prefix (``matched_blocks`` blocks of its key)
@@ -141,6 +139,7 @@ class Placed:
         return self.matched_blocks if replica == self.replica else 0
 
 
+@final
 @attrs.frozen(kw_only=True)
 class NoAffinity:
     """No placement for ``request_id``: it shares nothing in its batch; other scorers decide."""
@@ -172,14 +171,24 @@ def assign_batch(
 
     Pure and deterministic: the same requests and loads give the same assignment, whatever
     the order of ``replicas`` (ties break on batch load, running requests, then name).
+    Three steps: group the requests by key, form the units to place (identical groups, then
+    lone requests sharing a prefix), and place each unit in turn.
     """
     reps = check_replicas(replicas)
-    cap = config.max_prefix_blocks
-    k = config.max_per_replica
-    m = config.min_colocate_blocks
-    by_tokens = config.balance_by == "tokens"
-    bs = config.block_size_tokens
+    groups = _groups(requests, config.max_prefix_blocks)
+    units = _units(groups, config.min_colocate_blocks, config.block_size_tokens)
+    placement = _Placement(reps, units, config)
+    for unit in units:
+        placement.place(unit)
+    placed = placement.placed
+    return tuple(placed.get(r.request_id) or NoAffinity(request_id=r.request_id) for r in requests)
 
+
+def _groups(
+    requests: Sequence[RouteRequest], cap: int
+) -> dict[tuple[BlockHash, ...], list[RequestId]]:
+    """Request ids by key (the first ``cap`` blocks), in arrival order; a request without
+    blocks joins no group. A repeated request id is the caller's mistake."""
     groups: dict[tuple[BlockHash, ...], list[RequestId]] = {}
     seen: set[RequestId] = set()
     for r in requests:
@@ -189,8 +198,13 @@ def assign_batch(
         key = r.blocks[:cap]
         if key:
             groups.setdefault(key, []).append(r.request_id)
+    return groups
 
-    # Which lone requests share >= m leading blocks with another request of the batch.
+
+def _units(groups: dict[tuple[BlockHash, ...], list[RequestId]], m: int, bs: int) -> list[_Unit]:
+    """The units to place, in order: identical groups (two or more requests), then lone
+    requests sharing at least ``m`` leading blocks with another request of the batch (none
+    if ``m`` is 0); longest key first within each tier, first arrival first on ties."""
     signature_count: dict[tuple[BlockHash, ...], int] = {}
     if m > 0:
         for key, members in groups.items():
@@ -204,80 +218,122 @@ def assign_batch(
             identical.append(_Unit(key, members, len(key) * bs))
         elif m > 0 and len(key) >= m and signature_count[key[:m]] >= 2:
             sharing.append(_Unit(key, members, len(key) * bs))
-    # Longest prefix first within each tier (stable: first arrival first on ties).
-    identical.sort(key=lambda u: -len(u.key))
+    identical.sort(key=lambda u: -len(u.key))  # stable
     sharing.sort(key=lambda u: -len(u.key))
+    return identical + sharing
 
-    total = sum((u.cost if by_tokens else len(u.members)) for u in (*identical, *sharing))
-    fair_share = -(-total // len(reps))  # ceil(total / replicas)
-    running = {r.name: r.running for r in reps}
-    load = dict.fromkeys(running, 0)
-    ordered = sorted(running)  # by name: the last tie-break, and order-independence
-    holders: dict[BlockHash, set[str]] = {}
-    placed: dict[RequestId, Placed] = {}
 
-    def less(a: str, b: str) -> bool:
-        return (load[a], running[a], a) < (load[b], running[b], b)
+class _Placement:
+    """The state of one batch's placement: each replica's load in this batch (requests, or
+    uncached prefix tokens), the blocks already placed on each replica, and the requests
+    placed so far."""
 
-    for unit in (*identical, *sharing):
+    __slots__ = (
+        "bs",
+        "by_tokens",
+        "fair_share",
+        "holders",
+        "k",
+        "load",
+        "m",
+        "ordered",
+        "placed",
+        "running",
+    )
+
+    def __init__(
+        self, reps: Sequence[ReplicaLoad], units: Sequence[_Unit], config: BurstConfig
+    ) -> None:
+        self.k = config.max_per_replica
+        self.m = config.min_colocate_blocks
+        self.by_tokens = config.balance_by == "tokens"
+        self.bs = config.block_size_tokens
+        by_tokens = self.by_tokens
+        total = sum((u.cost if by_tokens else len(u.members)) for u in units)
+        self.fair_share = -(-total // len(reps))  # ceil(total / replicas)
+        self.running = {r.name: r.running for r in reps}
+        self.load = dict.fromkeys(self.running, 0)
+        self.ordered = sorted(self.running)  # by name: the last tie-break, order-independence
+        self.holders: dict[BlockHash, set[str]] = {}
+        self.placed: dict[RequestId, Placed] = {}
+
+    def matches(self, unit: _Unit) -> dict[str, int]:
+        """Per replica, the longest run of the unit's key blocks already placed there (only
+        needed to co-locate or to count tokens)."""
         matches: dict[str, int] = {}
-        if m > 0 or by_tokens:  # longest run of this key's blocks already placed per replica
+        if self.m > 0 or self.by_tokens:
+            holders = self.holders
             for h in unit.key:
                 who = holders.get(h)
                 if not who:
                     break
                 for name in who:
                     matches[name] = matches.get(name, 0) + 1
+        return matches
+
+    def primary(self, per_replica: dict[str, int], matches: dict[str, int]) -> str | None:
+        """The replica to co-locate with: under ``k`` members of this unit and under the fair
+        share, matching at least ``m`` blocks; the longest match, then the least loaded
+        (batch load, running requests, name)."""
+        k, m, load, running, fair_share = self.k, self.m, self.load, self.running, self.fair_share
+        best: tuple[int, int, int, str] | None = None  # (-match, load, running, name)
+        for name in self.ordered:
+            if k != UNLIMITED and per_replica.get(name, 0) >= k:
+                continue
+            if load[name] >= fair_share:
+                continue
+            mt = matches.get(name, 0)
+            if mt < m:
+                continue
+            key = (-mt, load[name], running[name], name)
+            if best is None or key < best:
+                best = key
+        return None if best is None else best[3]
+
+    def least_loaded(self, per_replica: dict[str, int]) -> str:
+        """The least loaded replica (batch load, running requests, name) under ``k`` members
+        of this unit; if every replica holds ``k`` of them, the least loaded overall."""
+        k, load, running = self.k, self.load, self.running
+        best: tuple[int, int, str] | None = None
+        for name in self.ordered:
+            if k != UNLIMITED and per_replica.get(name, 0) >= k:
+                continue
+            key = (load[name], running[name], name)
+            if best is None or key < best:
+                best = key
+        if best is None:  # overflow guard: every replica holds k members of this unit
+            best = min((load[name], running[name], name) for name in self.ordered)
+        return best[2]
+
+    def place(self, unit: _Unit) -> None:
+        """Place the unit's members, at most ``k`` per replica: the first run on the primary
+        replica if there is one, every other run on the least loaded replica."""
+        k, bs, load = self.k, self.bs, self.load
+        matches = self.matches(unit)
         per_replica: dict[str, int] = {}
-        prefer_match = m > 0
         members = unit.members
         i = 0
         while i < len(members):
-            target: str | None = None
-            if prefer_match:  # the primary replica: co-locate with a sharing unit in fair share
-                best_match = 0
-                for name in ordered:
-                    if k != UNLIMITED and per_replica.get(name, 0) >= k:
-                        continue
-                    if load[name] >= fair_share:
-                        continue
-                    mt = matches.get(name, 0)
-                    if mt < m:
-                        continue
-                    if (
-                        target is None
-                        or mt > best_match
-                        or (mt == best_match and less(name, target))
-                    ):
-                        target, best_match = name, mt
-                prefer_match = False
-            if target is None:  # least loaded with room under k, else least loaded overall
-                for name in ordered:
-                    if k != UNLIMITED and per_replica.get(name, 0) >= k:
-                        continue
-                    if target is None or less(name, target):
-                        target = name
-            if target is None:  # overflow guard: every replica holds k members of this unit
-                for name in ordered:
-                    if target is None or less(name, target):
-                        target = name
-            assert target is not None
+            target = self.primary(per_replica, matches) if i == 0 and self.m > 0 else None
+            if target is None:
+                target = self.least_loaded(per_replica)
             run = len(members) - i
             if k != UNLIMITED:
                 run = min(run, max(1, k - per_replica.get(target, 0)))
             for rid in members[i : i + run]:
-                placed[rid] = Placed(request_id=rid, replica=target, matched_blocks=len(unit.key))
+                self.placed[rid] = Placed(
+                    request_id=rid, replica=target, matched_blocks=len(unit.key)
+                )
             first_touch = per_replica.get(target, 0) == 0
             per_replica[target] = per_replica.get(target, 0) + run
-            if not by_tokens:
+            if not self.by_tokens:
                 load[target] += run
             elif first_touch:  # the prefix is prefilled once per replica, minus what it holds
                 load[target] += max(0, unit.cost - matches.get(target, 0) * bs)
             i += run
+        holders = self.holders
         for h in unit.key:
             holders.setdefault(h, set()).update(per_replica)
-
-    return tuple(placed.get(r.request_id) or NoAffinity(request_id=r.request_id) for r in requests)
 
 
 # -- the window -------------------------------------------------------------------------------
@@ -302,8 +358,7 @@ class BurstRouter:
         namespace: str | bytes = b"",
     ) -> None:
         self._config = BurstConfig() if config is None else config
-        if not isinstance(self._config, BurstConfig):
-            raise ConfigError(f"config must be a BurstConfig, got {self._config!r}")
+        check_instance("config", self._config, BurstConfig)
         try:
             self._replicas = check_replicas(replicas)
         except UsageError as exc:
@@ -364,8 +419,7 @@ class BurstRouter:
         itself included.
         """
         t = check_time("now", now, after=self._now)
-        if not isinstance(request, RouteRequest):
-            raise UsageError(f"expected a RouteRequest, got {request!r}")
+        check_instance("request", request, RouteRequest, error=UsageError)
         rid = request.request_id
         sealed: tuple[Assignment, ...] = ()
         late = self._deadline is not None and t >= self._deadline

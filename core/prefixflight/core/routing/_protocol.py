@@ -8,13 +8,21 @@ the host; their loads are inputs the host refreshes.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Protocol
+from collections.abc import Sequence
+from typing import Protocol, final
 
 import attrs
 
 from .._errors import UsageError
-from .._validate import check_int, check_ratio, int_field, request_id_field
+from .._validate import (
+    check_block_hashes,
+    check_instance,
+    check_int,
+    check_name,
+    check_ratio,
+    int_field,
+    request_id_field,
+)
 from ..cache._hashing import BlockHash
 from ..flight._plan import RequestId
 
@@ -29,20 +37,7 @@ __all__ = [
 ]
 
 
-def _blocks(value: Iterable[BlockHash]) -> tuple[BlockHash, ...]:
-    """The block hashes as a tuple of hashable values (materialised once), or `UsageError`."""
-    if isinstance(value, (str, bytes)):
-        raise UsageError(f"blocks must be a sequence of block hashes, got {value!r}")
-    try:
-        out = tuple(value)
-        hash(out)  # every block hash must be hashable: routers group and index by them
-    except TypeError:
-        raise UsageError(
-            f"blocks must be a sequence of hashable block hashes, got {value!r}"
-        ) from None
-    return out
-
-
+@final
 @attrs.frozen(kw_only=True)
 class RouteRequest:
     """A request as routers see it.
@@ -52,10 +47,11 @@ class RouteRequest:
     """
 
     request_id: RequestId = attrs.field(validator=request_id_field())
-    blocks: tuple[BlockHash, ...] = attrs.field(converter=_blocks)
+    blocks: tuple[BlockHash, ...] = attrs.field(converter=check_block_hashes)
     num_tokens: int = attrs.field(validator=int_field(0, error=UsageError))
 
 
+@final
 @attrs.frozen(kw_only=True)
 class ReplicaLoad:
     """One replica and its load as the host last observed it.
@@ -70,13 +66,13 @@ class ReplicaLoad:
     kv_utilization: float = 0.0
 
     def __attrs_post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise UsageError(f"replica name must be a non-empty str, got {self.name!r}")
+        check_name("replica name", self.name)
         check_int("running", self.running, minimum=0, error=UsageError)
         check_int("waiting", self.waiting, minimum=0, error=UsageError)
         check_ratio("kv_utilization", self.kv_utilization, error=UsageError)
 
 
+@final
 @attrs.frozen(kw_only=True)
 class Routed:
     """A final routing decision: send ``request_id`` to ``replica``."""
@@ -141,8 +137,7 @@ def check_replicas(replicas: Sequence[ReplicaLoad]) -> tuple[ReplicaLoad, ...]:
         raise UsageError("at least one replica is needed, got none")
     seen: set[str] = set()
     for r in out:
-        if not isinstance(r, ReplicaLoad):
-            raise UsageError(f"replicas must be ReplicaLoad values, got {r!r}")
+        check_instance("each replica", r, ReplicaLoad, error=UsageError)
         if r.name in seen:
             raise UsageError(f"duplicate replica name {r.name!r}")
         seen.add(r.name)

@@ -25,20 +25,22 @@ from typing import Any, Literal, Protocol, TypeAlias, final, runtime_checkable
 import attrs
 
 from prefixflight.core import (
-    ApproxPrefixConfig,
-    ApproxPrefixRouter,
     BlockHash,
     BlockHasher,
-    BurstAffinityRouter,
     BurstConfig,
     BurstRouter,
     ConfigError,
-    LeastLoadedRouter,
     ReplicaLoad,
     Routed,
     Router,
     RouteRequest,
     UsageError,
+)
+from prefixflight.core.routing import (
+    ApproxPrefixConfig,
+    ApproxPrefixRouter,
+    BurstAffinityRouter,
+    LeastLoadedRouter,
 )
 
 __all__ = [

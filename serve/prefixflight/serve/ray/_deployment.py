@@ -20,7 +20,9 @@ from typing import TYPE_CHECKING, Any, Literal, TypeAlias, final
 
 import attrs
 
-from prefixflight.core import ConfigError, RequestState
+from prefixflight.backends import TINY_LLAMA  # the tiny model's shape (torch-free)
+from prefixflight.core import ConfigError
+from prefixflight.core.flight import RequestState
 
 from ._adapter import FirstToken, GenerateRequest, GenerateResult
 
@@ -33,17 +35,6 @@ _LOOPBACK = "tcp://127.0.0.1:*"
 
 ModelKind: TypeAlias = Literal["llama-config", "smollm2"]
 
-TINY_LLAMA: Mapping[str, Any] = {
-    "vocab_size": 512,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "tie_word_embeddings": True,
-}
-"""A 2-layer random-weight Llama (vocab 512, 4 query heads, 2 KV heads of 16): the shape of
-the torch backend's test models, built inside each replica from this config."""
 
 
 def _check_kind(_i: object, _a: object, value: object) -> None:

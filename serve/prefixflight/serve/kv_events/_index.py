@@ -27,7 +27,7 @@ import attrs
 from prefixflight.core import BlockHash, BlockHasher, UsageError
 from prefixflight.core._validate import assert_never
 
-from ._kv_wire import (
+from ._wire import (
     WireAllBlocksCleared,
     WireBatch,
     WireBlockRemoved,
@@ -46,7 +46,8 @@ class IndexStats:
     """What an index did with its events.
 
     ``unresolved``: stored blocks it could not key (rebuilding from tokens, with an unknown
-    parent, a block size other than the hasher's, or no tokens); ``unknown_removed``: removed
+    parent, a block size other than the hasher's, no tokens, or extra keys the publisher
+    hashed in: a LoRA name, multimodal keys, a cache salt); ``unknown_removed``: removed
     hashes it did not hold.
     """
 
@@ -176,6 +177,8 @@ class ReplicaBlockIndex:
         n = len(event.block_hashes)
         if event.block_size != hasher.block_size or len(event.token_ids) != n * hasher.block_size:
             return None
+        if event.extra_keys is not None and any(k is not None for k in event.extra_keys):
+            return None  # vLLM hashed a LoRA name, multimodal keys or a cache salt in too
         parent: BlockHash | None = None
         if event.parent_block_hash is not None:
             parent = self._resolve(fold_hash(event.parent_block_hash))

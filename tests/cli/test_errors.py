@@ -1,5 +1,6 @@
-"""Regression tests for the CLI defects found by outside probing (one test per defect, named
-after it). Where the defect is about the process (exit status, one line on stderr, no
+"""How the CLI fails: one line on stderr and the right exit status for bad input, bad flags
+and outputs that cannot be written, never a traceback or a partial file (cases found by
+outside probing). Where the case is about the process (exit status, one line on stderr, no
 traceback, /dev/full, a closed stdin), the CLI runs as a real subprocess."""
 
 from __future__ import annotations
@@ -57,10 +58,10 @@ def one_line_error(proc: subprocess.CompletedProcess[bytes], status: int, *fragm
     return lines[-1]
 
 
-# -- defect 8: tracebacks --------------------------------------------------------------------
+# -- one line, no traceback------------------------------------------------------------------
 
 
-def test_defect8_truncated_gz_is_one_line_error(tmp_path: Path) -> None:
+def test_a_truncated_gz_is_a_one_line_error(tmp_path: Path) -> None:
     data = gzip.compress(GOOD_LINES)
     truncated = tmp_path / "cut.jsonl.gz"
     truncated.write_bytes(data[: len(data) // 2])
@@ -72,7 +73,7 @@ def test_defect8_truncated_gz_is_one_line_error(tmp_path: Path) -> None:
             one_line_error(proc, 1, str(path), "corrupt or truncated gzip data")
 
 
-def test_defect8_deeply_nested_line_is_a_line_error_and_skippable(tmp_path: Path) -> None:
+def test_a_deeply_nested_line_is_a_line_error_and_skippable(tmp_path: Path) -> None:
     path = tmp_path / "deep.jsonl"
     path.write_bytes(GOOD_LINES + b"[" * 100_000 + b"\n" + GOOD_LINES)
     proc = cli("replay", str(path), "--capacity-blocks", "8")
@@ -83,14 +84,14 @@ def test_defect8_deeply_nested_line_is_a_line_error_and_skippable(tmp_path: Path
     assert (report["skipped_lines"], report["total_requests"]) == (1, 400)
 
 
-def test_defect8_deeply_nested_config_is_one_line_error(tmp_path: Path) -> None:
+def test_a_deeply_nested_config_is_a_one_line_error(tmp_path: Path) -> None:
     config = tmp_path / "deep.json"
     config.write_bytes(b"[" * 100_000)
     proc = cli("replay", "bundled:synthetic", "--capacity-blocks", "8", "--config", str(config))
     one_line_error(proc, 1, str(config), "nested too deeply")
 
 
-def test_defect8_config_not_utf8_is_one_line_error(tmp_path: Path) -> None:
+def test_a_config_that_is_not_utf8_is_a_one_line_error(tmp_path: Path) -> None:
     config = tmp_path / "latin1.json"
     config.write_bytes(b'{\n  "policy": "lru",\n  "note\xe9": 1\n}\n')
     proc = cli("replay", "bundled:synthetic", "--config", str(config))
@@ -98,7 +99,7 @@ def test_defect8_config_not_utf8_is_one_line_error(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
-def test_defect8_stdout_to_dev_full_is_one_line_error(tmp_path: Path) -> None:
+def test_stdout_on_a_full_device_is_a_one_line_error(tmp_path: Path) -> None:
     trace = tmp_path / "t.jsonl"
     trace.write_bytes(GOOD_LINES)
     with open("/dev/full", "wb") as full:
@@ -106,13 +107,13 @@ def test_defect8_stdout_to_dev_full_is_one_line_error(tmp_path: Path) -> None:
     one_line_error(proc, 1, "cannot write to stdout", "No space left on device")
 
 
-def test_defect8_closed_stdin_is_one_line_error() -> None:
+def test_a_closed_stdin_is_a_one_line_error() -> None:
     proc = cli("replay", "-", "--capacity-blocks", "8", shell_redirect="<&-")
     one_line_error(proc, 1, "stdin", "closed")
 
 
 @pytest.mark.parametrize("via_stdin", [False, True])
-def test_defect8_bad_utf8_in_a_trace_is_a_line_error_with_its_number(
+def test_bad_utf8_in_a_trace_is_a_line_error_with_its_number(
     tmp_path: Path, via_stdin: bool
 ) -> None:
     bad = b'{"input_length": 5, "hash_ids": [1], "note": "caf\xe9"}\n'
@@ -128,7 +129,7 @@ def test_defect8_bad_utf8_in_a_trace_is_a_line_error_with_its_number(
     assert (report["skipped_lines"], report["total_requests"]) == (1, 400)
 
 
-def test_defect8_gzip_on_stdin_is_detected(tmp_path: Path) -> None:
+def test_gzip_on_stdin_is_detected(tmp_path: Path) -> None:
     plain = cli("replay", "-", "--capacity-blocks", "8", stdin=GOOD_LINES)
     zipped = cli("replay", "-", "--capacity-blocks", "8", stdin=gzip.compress(GOOD_LINES))
     assert plain.returncode == zipped.returncode == 0, zipped.stderr
@@ -136,7 +137,7 @@ def test_defect8_gzip_on_stdin_is_detected(tmp_path: Path) -> None:
     assert json.loads(plain.stdout)["total_requests"] == 200
 
 
-# -- defect 9: output files ------------------------------------------------------------------
+# -- output files -------------------------------------------------------------------------
 
 
 def _limit_file_size() -> None:
@@ -146,7 +147,7 @@ def _limit_file_size() -> None:
 
 
 @pytest.mark.parametrize("command", ["replay", "sweep", "simulate router", "simulate flight"])
-def test_defect9_a_failed_write_keeps_the_old_file_and_leaves_no_partial(
+def test_a_failed_write_keeps_the_old_file_and_leaves_no_partial(
     tmp_path: Path, command: str
 ) -> None:
     trace = tmp_path / "t.jsonl"
@@ -169,7 +170,7 @@ def test_defect9_a_failed_write_keeps_the_old_file_and_leaves_no_partial(
     assert sorted(p.name for p in out.parent.iterdir()) == ["result.json"]
 
 
-def test_defect9_write_atomic_replaces_whole_files_only(tmp_path: Path) -> None:
+def test_write_atomic_replaces_whole_files_only(tmp_path: Path) -> None:
     target = tmp_path / "r.json"
     target.write_text("old\n")
     os.chmod(target, 0o640)
@@ -181,7 +182,7 @@ def test_defect9_write_atomic_replaces_whole_files_only(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]
 
 
-# -- defect 10: usage errors exit 2, bad input data exits 1 ---------------------------------
+# -- usage errors exit 2, bad input data exits 1 -----------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -203,13 +204,13 @@ def test_defect9_write_atomic_replaces_whole_files_only(tmp_path: Path) -> None:
         (["bench", "ttft", "--threads", "0"], "--threads"),
     ],
 )
-def test_defect10_invalid_flag_values_exit_2(args: list[str], fragment: str) -> None:
+def test_invalid_flag_values_exit_2(args: list[str], fragment: str) -> None:
     proc = cli(*args)
     line = one_line_error(proc, 2, fragment)
     assert line.startswith("prefixflight ")
 
 
-def test_defect10_bad_input_data_exits_1(tmp_path: Path) -> None:
+def test_bad_input_data_exits_1(tmp_path: Path) -> None:
     trace = tmp_path / "t.jsonl"
     trace.write_text('{"input_length": -5, "hash_ids": []}\n')
     one_line_error(cli("replay", str(trace), "--capacity-blocks", "8"), 1, f"{trace}:1:")
@@ -219,11 +220,11 @@ def test_defect10_bad_input_data_exits_1(tmp_path: Path) -> None:
     one_line_error(proc, 1, str(config), "cache_capacity_blocks")
 
 
-# -- defect 11: NaN timestamps, -o '', byte order marks --------------------------------------
+# -- NaN timestamps, -o '', byte order marks -----------------------------------------------
 
 
 @pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
-def test_defect11_non_finite_timestamps_are_rejected_naming_the_field(
+def test_non_finite_timestamps_are_rejected_naming_the_field(
     tmp_path: Path, value: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     trace = tmp_path / "t.jsonl"
@@ -232,12 +233,12 @@ def test_defect11_non_finite_timestamps_are_rejected_naming_the_field(
     assert f"{trace}:1: field 'timestamp': must be finite" in capsys.readouterr().err
 
 
-def test_defect11_empty_output_path_is_a_usage_error() -> None:
+def test_an_empty_output_path_is_a_usage_error() -> None:
     proc = cli("replay", "bundled:synthetic", "--capacity-blocks", "8", "-o", "")
     one_line_error(proc, 2, "-o/--output", "expected a file name")
 
 
-def test_defect11_byte_order_mark_is_accepted_in_trace_and_config(tmp_path: Path) -> None:
+def test_a_byte_order_mark_is_accepted_in_trace_and_config(tmp_path: Path) -> None:
     trace = tmp_path / "bom.jsonl"
     trace.write_bytes(b"\xef\xbb\xbf" + GOOD_LINES)
     config = tmp_path / "bom.json"

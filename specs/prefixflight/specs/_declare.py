@@ -1,0 +1,270 @@
+"""What an implementation declares about itself, so a conformance machine checks it against
+the right rules instead of the user shadowing rules.
+
+Two declarations: `EngineSemantics` for an engine's prefix cache (driven by
+`PrefixEngineConformance`) and `PolicySemantics` for an eviction policy (driven by
+`S3FIFOConformance`, `LRUConformance` and `CacheConformance`). Every field has a default: the
+semantics of prefixflight's own reference (the S3-FIFO prefix-cache replay task). A field set
+to anything else is a *declared difference*: the machine's reference follows it, and
+`declared_differences` lists it, with what it means, for reports. Both need only attrs (no
+Hypothesis), so an adapter module can declare itself without the ``specs`` extra.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Literal
+
+import attrs
+
+from prefixflight.core import PrefixflightError, UsageError
+
+__all__ = [
+    "EngineCrashed",
+    "EngineSemantics",
+    "PolicySemantics",
+    "Unsupported",
+    "declared_differences",
+]
+
+
+class Unsupported(PrefixflightError):
+    """Raised by an adapter or factory for a configuration the implementation declares it
+    does not support (a declared outcome: the example is discarded, not failed)."""
+
+
+class EngineCrashed(AssertionError):
+    """The implementation's process died (a C abort, a segfault) while running ``call``.
+
+    Raised by an isolated implementation (`prefixflight.specs.isolated`), so a crash is a
+    failure Hypothesis shrinks to the shortest sequence of calls that still crashes, not a
+    dead run. ``signal`` is the signal that killed it (``None`` for a plain exit) and
+    ``stderr`` the tail of what it printed.
+    """
+
+    def __init__(self, call: str, returncode: int, stderr: str) -> None:
+        self.call = call
+        self.returncode = returncode
+        self.signal = -returncode if returncode < 0 else None
+        self.stderr = stderr
+        how = f"signal {self.signal}" if self.signal is not None else f"exit status {returncode}"
+        tail = f"; it printed: {stderr.strip()[-400:]}" if stderr.strip() else ""
+        super().__init__(f"the engine's process died ({how}) during {call}{tail}")
+
+
+def _one_of(*values: str) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
+    def check(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if value not in values:
+            raise UsageError(f"{attribute.name} must be one of {values}, got {value!r}")
+
+    return check
+
+
+def _frozen(ops: Iterable[str]) -> frozenset[str]:
+    return frozenset(ops)
+
+
+def _ops(*allowed: str) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
+    def check(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        bad = sorted(set(value) - set(allowed))
+        if bad:
+            raise UsageError(f"{attribute.name}: unknown operations {bad} (known: {allowed})")
+
+    return check
+
+
+@attrs.frozen(kw_only=True)
+class EngineSemantics:
+    """An engine's prefix cache, as its adapter declares it (defaults: the replay task's).
+
+    ``hit_cap``: ``"full"`` -- a hit covers every cached full block of the prompt;
+    ``"n-1"`` -- at most ``num_tokens - 1`` tokens hit, so the last token is always computed.
+
+    ``publish``: ``"at-finish"`` -- a request's computed blocks become hits when it ends;
+    ``"at-admit"`` -- they are registered when its pages are allocated (before computing).
+
+    ``touch``: the order a request's blocks are stamped in when they are used together:
+    ``"in-order"`` (the tail is the most recent, so a parent can be evicted before its
+    child) or ``"tail-first"`` (the tail is the least recent: a chain is evicted tail first).
+
+    ``pins``: what stamps a block's recency, and what a running request's hold does:
+    ``"ours"`` -- admission (hits) and publication stamp; releasing does not; an eviction
+    scan that passes a held block stamps it (it is in use); ``"release-is-use"`` -- a
+    block's recency is when its last holder released it (lookups stamp nothing);
+    ``"unlock-no-touch"`` -- lookups (even of a request that is then not admitted) and
+    inserts stamp; locking and unlocking do not.
+
+    ``unit``: what one eviction removes: ``"block"``, or ``"node"`` (a radix-tree leaf:
+    every block inserted with it, so one eviction may free several pages).
+
+    ``capacity``: ``"fixed"`` -- the cache holds at most ``pages`` blocks and running
+    requests' own pages are not counted; ``"shared-pool"`` -- one pool of ``pages`` pages
+    holds cached blocks and running requests' pages, and admission evicts what it needs
+    (or is refused when not enough can be freed).
+
+    ``duplicates``: a request that computed a block another request cached first:
+    ``"freed"`` (its page is freed, the cache keeps one copy) or ``"kept"`` (both pages stay
+    cached under the same block; a lookup hits the copy registered first).
+
+    ``orphans``: when a block is evicted, its cached descendants (which no lookup can reach
+    any more) are ``"kept"`` until evicted in their turn, or ``"removed"`` with it.
+
+    ``invalidated``: a cached, unused block removed by ``invalidate``: its page is
+    ``"reused-first"`` (like any free page) or stays ``"in-place"`` in the eviction order.
+
+    ``evictions``: ``"observed"`` (the machine compares resident sets) or ``"reported"``
+    (the adapter also reports KV events; a mirror rebuilt from them must equal the cache,
+    counting copies).
+
+    ``ops``: the optional operations the adapter supports: ``"evict"`` (free at least ``n``
+    pages of unused cached blocks), ``"invalidate"`` (drop one block), ``"reset"`` (drop
+    everything while nothing runs).
+    """
+
+    hit_cap: Literal["full", "n-1"] = attrs.field(default="full", validator=_one_of("full", "n-1"))
+    publish: Literal["at-finish", "at-admit"] = attrs.field(
+        default="at-finish", validator=_one_of("at-finish", "at-admit")
+    )
+    touch: Literal["in-order", "tail-first"] = attrs.field(
+        default="in-order", validator=_one_of("in-order", "tail-first")
+    )
+    pins: Literal["ours", "release-is-use", "unlock-no-touch"] = attrs.field(
+        default="ours", validator=_one_of("ours", "release-is-use", "unlock-no-touch")
+    )
+    unit: Literal["block", "node"] = attrs.field(
+        default="block", validator=_one_of("block", "node")
+    )
+    capacity: Literal["fixed", "shared-pool"] = attrs.field(
+        default="fixed", validator=_one_of("fixed", "shared-pool")
+    )
+    duplicates: Literal["freed", "kept"] = attrs.field(
+        default="freed", validator=_one_of("freed", "kept")
+    )
+    orphans: Literal["kept", "removed"] = attrs.field(
+        default="kept", validator=_one_of("kept", "removed")
+    )
+    invalidated: Literal["reused-first", "in-place"] = attrs.field(
+        default="reused-first", validator=_one_of("reused-first", "in-place")
+    )
+    evictions: Literal["observed", "reported"] = attrs.field(
+        default="observed", validator=_one_of("observed", "reported")
+    )
+    ops: frozenset[str] = attrs.field(
+        default=frozenset(), converter=_frozen, validator=_ops("evict", "invalidate", "reset")
+    )
+
+    def __attrs_post_init__(self) -> None:
+        if self.unit == "node":
+            if self.pins != "unlock-no-touch" or self.duplicates != "freed":
+                raise UsageError(
+                    "unit='node' (a radix tree) needs pins='unlock-no-touch' and "
+                    f"duplicates='freed', got pins={self.pins!r}, duplicates={self.duplicates!r}"
+                )
+            if "invalidate" in self.ops:
+                raise UsageError("unit='node' does not support the 'invalidate' operation")
+        elif self.pins == "unlock-no-touch":
+            raise UsageError("pins='unlock-no-touch' is modelled for unit='node' (a radix tree)")
+        if self.pins == "release-is-use" and self.capacity != "shared-pool":
+            raise UsageError("pins='release-is-use' needs capacity='shared-pool'")
+        if self.capacity == "fixed" and (self.unit == "node" or "invalidate" in self.ops):
+            raise UsageError("capacity='fixed' supports unit='block' without 'invalidate'")
+
+    @property
+    def chain_safe(self) -> bool:
+        """Whether the engine promises that every cached block's parent is cached."""
+        return self.unit == "node" or self.orphans == "removed"
+
+
+@attrs.frozen(kw_only=True)
+class PolicySemantics:
+    """An eviction policy, as its factory declares it (defaults: prefixflight's policies).
+
+    ``ops``: the optional calls the policy supports (``pin``/``unpin``/``pin_count``,
+    ``remove``, ``evict``); the machine runs only those rules.
+
+    ``evictions``: ``"reported"`` -- ``access`` and ``evict`` return the evicted blocks, in
+    order; ``"observed"`` -- they return nothing useful, and the machine compares the
+    resident set before and after.
+
+    S3-FIFO variant (ignored by LRU): ``sizing`` is how the small queue's size is derived
+    from ``capacity * small_ratio``: ``"round"`` (banker's rounding) or ``"floor"``;
+    ``promote_at`` is the frequency at which a block leaving the small queue is promoted to
+    main; ``small_queue`` is ``"bounded"`` (every admission keeps the small queue within its
+    size, promoting or ghosting its head) or ``"when-full"`` (nothing is evicted until the
+    whole cache is full; then one eviction comes from main if main is over its size or the
+    small queue is empty, else from the small queue; before the first eviction a new block
+    that finds the small queue full goes to main; only small-queue evictions enter the
+    ghost); ``min_small_blocks`` is the smallest small queue that admits anything (a small
+    queue of fewer blocks caches nothing new).
+    """
+
+    ops: frozenset[str] = attrs.field(
+        default=frozenset({"pin", "remove", "evict"}),
+        converter=_frozen,
+        validator=_ops("pin", "remove", "evict"),
+    )
+    evictions: Literal["reported", "observed"] = attrs.field(
+        default="reported", validator=_one_of("reported", "observed")
+    )
+    sizing: Literal["round", "floor"] = attrs.field(
+        default="round", validator=_one_of("round", "floor")
+    )
+    promote_at: int = attrs.field(default=1, validator=attrs.validators.ge(1))
+    small_queue: Literal["bounded", "when-full"] = attrs.field(
+        default="bounded", validator=_one_of("bounded", "when-full")
+    )
+    min_small_blocks: int = attrs.field(default=1, validator=attrs.validators.ge(1))
+
+    def __attrs_post_init__(self) -> None:
+        if self.small_queue == "when-full" and "pin" in self.ops:
+            raise UsageError("small_queue='when-full' is modelled without pins")
+        if self.min_small_blocks > 1 and self.small_queue != "when-full":
+            raise UsageError("min_small_blocks > 1 is modelled for small_queue='when-full'")
+
+
+_MEANING: Mapping[tuple[str, str], str] = {
+    ("hit_cap", "n-1"): "at most num_tokens - 1 tokens hit: the last token is always computed",
+    ("publish", "at-admit"): "blocks are registered when allocated, before they are computed",
+    ("touch", "tail-first"): "a request's blocks are stamped tail first: chains evict tail first",
+    ("pins", "release-is-use"): "a block's recency is when its last holder released it",
+    ("pins", "unlock-no-touch"): "lookups and inserts stamp recency; unlocking does not",
+    ("unit", "node"): "one eviction removes a whole radix-tree leaf (all its pages)",
+    ("capacity", "shared-pool"): "cached blocks and running requests share one page pool",
+    ("duplicates", "kept"): "a block computed twice stays cached twice (two pages)",
+    ("orphans", "removed"): "evicting a block removes its cached descendants too",
+    ("invalidated", "in-place"): "an invalidated page keeps its place in the eviction order",
+    ("evictions", "observed"): "evictions are not returned; resident sets are compared",
+    ("sizing", "floor"): "the small queue holds floor(capacity * small_ratio) blocks",
+    ("small_queue", "when-full"): "evicts only when the whole cache is full (S3FIFO.c's flow)",
+}
+
+
+def declared_differences(semantics: EngineSemantics | PolicySemantics) -> list[dict[str, Any]]:
+    """How the declaration departs from prefixflight's semantics, as ``{"name", "value",
+    "default", "meaning"}`` dicts (for reports and ``prefixflight conform --json``).
+
+    Capabilities that only add checks (an engine's optional ``ops``, its KV events) are not
+    differences; a policy's missing ``ops`` and unreported evictions are.
+    """
+    default = type(semantics)()
+    out: list[dict[str, Any]] = []
+    for field in attrs.fields(type(semantics)):
+        value, base = getattr(semantics, field.name), getattr(default, field.name)
+        if value == base:
+            continue
+        if isinstance(semantics, EngineSemantics) and field.name in ("ops", "evictions"):
+            continue
+        if isinstance(value, frozenset):
+            missing = sorted(set(base) - set(value))
+            if not missing:
+                continue
+            meaning = f"unsupported: {', '.join(missing)}"
+            value, base = sorted(value), sorted(base)
+        elif field.name == "promote_at":
+            meaning = f"a small-queue block is promoted at frequency >= {value}"
+        elif field.name == "min_small_blocks":
+            meaning = f"a small queue of fewer than {value} blocks caches nothing new"
+        else:
+            meaning = _MEANING.get((field.name, str(value)), "")
+        out.append({"name": field.name, "value": value, "default": base, "meaning": meaning})
+    return out

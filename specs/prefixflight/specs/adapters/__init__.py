@@ -1,0 +1,37 @@
+"""Adapters that put real engines under prefixflight's conformance machines.
+
+Each declares its semantics (`EngineSemantics` or `PolicySemantics`) and imports its engine
+only when one is made, so this package imports without vLLM, SGLang or libCacheSim (and
+without Hypothesis). ``prefixflight conform ENGINE`` runs them; so can you::
+
+    from hypothesis.stateful import run_state_machine_as_test
+    from prefixflight.specs import PrefixEngineConformance
+    from prefixflight.specs.adapters import VLLMAdapter
+
+    run_state_machine_as_test(PrefixEngineConformance.for_adapter(VLLMAdapter))
+
+- `PagePoolAdapter`: prefixflight's own engine path (the `Scheduler`'s page pool);
+- `VLLMAdapter`: vLLM's v1 ``KVCacheManager`` (and its ``BlockPool``);
+- `SGLangAdapter`: SGLang's ``RadixCache`` with page size 16 and a simulated allocator;
+- `LibCacheSimS3FIFO`, `LibCacheSimLRU`: libCacheSim's policies (run them `isolated`).
+
+The adapters take ``impl=`` (``pool_cls=`` for ours): a drop-in replacement for the
+engine's class, built with exactly the original's arguments, to check a fork.
+"""
+
+from __future__ import annotations
+
+from ._libcachesim import LibCacheSimLRU, LibCacheSimS3FIFO, libcachesim_s3fifo_configs
+from ._prefixflight import PagePoolAdapter
+from ._sglang import SGLangAdapter, stub_torchvision
+from ._vllm import VLLMAdapter
+
+__all__ = [
+    "LibCacheSimLRU",
+    "LibCacheSimS3FIFO",
+    "PagePoolAdapter",
+    "SGLangAdapter",
+    "VLLMAdapter",
+    "libcachesim_s3fifo_configs",
+    "stub_torchvision",
+]

@@ -1,0 +1,93 @@
+# mypy: disallow-subclassing-any=False
+"""Broken subclasses of the real engines' classes, each with one seeded mistake, for
+``prefixflight conform ENGINE --impl broken:CLASS`` (run in the peers environment; this
+module imports vLLM, SGLang and libCacheSim, so only that environment can import it)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import libcachesim
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+from prefixflight.specs.adapters import stub_torchvision
+
+stub_torchvision()
+from sglang.srt.mem_cache.radix_cache import RadixCache  # noqa: E402
+
+
+# -- vLLM ------------------------------------------------------------------------------------
+class UnderReportingKVCacheManager(KVCacheManager):
+    """A lookup that reports one cached block fewer than it found."""
+
+    def get_computed_blocks(self, request: Any, max_cache_hit_length: Any = None) -> Any:
+        blocks, computed, boundary = super().get_computed_blocks(request, max_cache_hit_length)
+        if computed:
+            kept = self.create_kv_cache_blocks(tuple(group[:-1] for group in blocks.blocks))
+            return kept, computed - self.block_pool.hash_block_size, boundary
+        return blocks, computed, boundary
+
+
+class LeakyKVCacheManager(KVCacheManager):
+    """A free that forgets the request's last block (it is never returned to the pool)."""
+
+    def free(self, request: Any) -> None:
+        for manager in self.coordinator.single_type_managers:
+            blocks = manager.req_to_blocks.get(request.request_id)
+            if blocks and len(blocks) > 1:
+                blocks.pop()
+        super().free(request)
+
+
+class HeadFirstBlockPool(BlockPool):
+    """Frees a request's blocks head first, so a chain's parent is evicted before its tail."""
+
+    def free_blocks(self, ordered_blocks: Any) -> None:
+        super().free_blocks(list(ordered_blocks)[::-1])
+
+
+# -- SGLang ----------------------------------------------------------------------------------
+class UnderMatchingRadixCache(RadixCache):
+    """A match that reports one page fewer than it matched."""
+
+    def match_prefix(self, params: Any) -> Any:
+        result = super().match_prefix(params)
+        if result.device_prefix_len >= self.page_size:
+            return result._replace(device_prefix_len=result.device_prefix_len - self.page_size)
+        return result
+
+
+class PageDroppingRadixCache(RadixCache):
+    """An insert that drops the last page of every key of two pages or more."""
+
+    def insert(self, params: Any) -> Any:
+        if params.key is not None and len(params.key) >= 2 * self.page_size:
+            params.key = params.key[: len(params.key) - self.page_size]
+            params.value = params.value[: len(params.value) - self.page_size]
+        return super().insert(params)
+
+
+class ShortEvictingRadixCache(RadixCache):
+    """An evict that frees one page less than asked."""
+
+    def evict(self, params: Any) -> Any:
+        params.num_tokens = max(0, params.num_tokens - self.page_size)
+        return super().evict(params)
+
+
+# -- libCacheSim -----------------------------------------------------------------------------
+class NoRemoveS3FIFO(libcachesim.S3FIFO):
+    """A remove that reports success and removes nothing."""
+
+    def remove(self, obj_id: int) -> bool:
+        return True
+
+
+class StaleLRU(libcachesim.LRU):
+    """A hit that does not refresh recency (a FIFO)."""
+
+    def get(self, req: Any) -> bool:
+        if self.find(req, update_cache=False) is not None:
+            return True
+        return bool(super().get(req))

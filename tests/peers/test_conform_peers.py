@@ -1,0 +1,88 @@
+"""vLLM, SGLang and libCacheSim under the kit, in their own environment: each passes with its
+declared differences; broken subclasses of their real classes are caught through --impl; and
+libCacheSim's crashes come back as findings, shrunk.
+
+One process per engine runs ``prefixflight conform`` as shipped and then once per broken
+class (``run_impls.py``), so each engine is imported once."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .conftest import HERE, peers_env
+
+pytestmark = pytest.mark.peers
+
+# engine -> (the declared differences per check, {broken class: what its failure says})
+_ENGINES: dict[str, tuple[dict[str, list[str]], dict[str, str]]] = {
+    "vllm": (
+        {"engine": ["hit_cap", "publish", "touch", "pins", "capacity", "duplicates",
+                    "invalidated"]},
+        {
+            "UnderReportingKVCacheManager": "the engine hit 0 tokens, the reference hit 16",
+            "LeakyKVCacheManager": "leaked",
+            "HeadFirstBlockPool": "cached blocks differ",
+        },
+    ),
+    "sglang": (
+        {"engine": ["hit_cap", "pins", "unit", "capacity"]},
+        {
+            "UnderMatchingRadixCache": "the engine refused it, the reference hit 16",
+            "PageDroppingRadixCache": "cached blocks differ",
+            "ShortEvictingRadixCache": "after evict(",
+        },
+    ),
+    "libcachesim": (
+        {
+            "s3fifo": ["ops", "evictions", "sizing", "promote_at", "small_queue",
+                       "min_small_blocks"],
+            "lru": ["ops", "evictions"],
+        },
+        {"NoRemoveS3FIFO": "after remove(", "StaleLRU": "the implementation"},
+    ),
+}  # fmt: skip
+
+
+def _run(python: Path, *args: str) -> Any:
+    run = subprocess.run(
+        [str(python), *args],
+        cwd=HERE,
+        env=peers_env(),
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("engine", sorted(_ENGINES))
+def test_engine_passes_as_shipped_and_its_broken_subclasses_are_caught(
+    peers_python: Path, engine: str
+) -> None:
+    declared, broken = _ENGINES[engine]
+    shipped, *forks = _run(peers_python, str(HERE / "run_impls.py"), engine, "100", "30", *broken)
+    assert shipped["status"] == 0, shipped["stdout"]
+    checks = shipped["report"]["checks"]
+    assert {c["name"]: [d["name"] for d in c["declared"]] for c in checks} == declared
+    assert all(c["examples"] == 100 and c["passed"] for c in checks)
+    for fork, says in zip(forks, broken.values(), strict=True):
+        assert fork["status"] == 1, f"{fork['impl']} was not caught:\n{fork['stdout']}"
+        out = fork["stdout"]
+        assert "UNDECLARED DIFFERENCE" in out and says in out, f"{fork['impl']}:\n{out}"
+        assert "minimal example:" in out and f"--impl broken:{fork['impl']}" in out
+
+
+def test_libcachesim_crashes_are_findings(peers_python: Path) -> None:
+    found = _run(peers_python, str(HERE / "crashes.py"))
+    s3fifo, lru = found["s3fifo"], found["lru"]
+    assert s3fifo["signal"] == 6  # SIGABRT, in S3FIFO_init
+    assert s3fifo["call"] == "UnguardedS3FIFO(capacity=1, small_ratio=0.1)"  # shrunk
+    assert "Invalid cache size configuration" in s3fifo["stderr"]
+    assert lru["signal"] == 11 and lru["call"] == "evict()"  # SIGSEGV on an empty LRU
+    assert lru["steps"][-2:] == ["state.evict()", "state.teardown()"]
