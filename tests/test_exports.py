@@ -65,8 +65,8 @@ FLIGHT_SURFACE = frozenset({
     "FlightCoordinator", "FlightDecision", "FlightEvent", "FlightKey", "FlightStats",
     "Independent", "Lead", "PageUsage", "Placement", "PrefillDone", "PrefillWork", "Progress",
     "Promote", "PublishMode", "Release", "ReleasePolicy", "ReleaseReason", "RequestId",
-    "RequestReport", "RequestState", "Role", "Scheduler", "SchedulerConfig", "SchedulerStats",
-    "StepOutcome", "StepPlan", "StepResult", "Tick", "Wait",
+    "RequestReport", "RequestState", "Role", "Scheduler", "SchedulerCall", "SchedulerConfig",
+    "SchedulerStats", "StepOutcome", "StepPhase", "StepPlan", "StepResult", "Tick", "Wait",
 })  # fmt: skip
 
 ROUTING_SURFACE = frozenset({
