@@ -94,7 +94,9 @@ def test_a_tenant_never_joins_another_tenants_flight(keyed: Any, step_gate: Any)
 
     def burst(keys: tuple[str, str]) -> float:
         before = value(metrics(keyed), followers)
-        prompt = unique_text(20)
+        # longer than a step's budget (128 tokens): the leader's flight stays open until its
+        # last chunk is planned, so the second request arrives while it is open
+        prompt = unique_text(300)
         step_gate.hold_after(0)  # nothing runs until both requests are in
         threads = [threading.Thread(target=cached, args=(keyed, k, prompt)) for k in keys]
         for t in threads:
