@@ -185,16 +185,16 @@ def test_a_lone_request_follows_its_prefix_to_the_replica_that_holds_it(
 
     prompts = {f"rep{i}": text(10 + i, 150) for i in range(len(replicas))}
     for i, r in enumerate(replicas):
-        direct = openai.OpenAI(base_url=r.base_url + "/v1", api_key="x")
-        direct.completions.create(model=MODEL, prompt=prompts[f"rep{i}"], max_tokens=1)
+        with openai.OpenAI(base_url=r.base_url + "/v1", api_key="x") as direct:
+            direct.completions.create(model=MODEL, prompt=prompts[f"rep{i}"], max_tokens=1)
         ids = smollm2.tokenizer(prompts[f"rep{i}"])["input_ids"]
         _until_resident(router, r.base_url, BlockHasher(block_size=BLOCK).hash_tokens(ids))
-    c = openai.OpenAI(base_url=router.base_url + "/v1", api_key="x")
-    for name, prompt in prompts.items():
-        out = c.completions.create(model=MODEL, prompt=prompt + " and then", max_tokens=1)
-        assert out.model == name
-        assert out.usage is not None and out.usage.prompt_tokens_details is not None
-        assert out.usage.prompt_tokens_details.cached_tokens >= BLOCK
+    with openai.OpenAI(base_url=router.base_url + "/v1", api_key="x") as c:
+        for name, prompt in prompts.items():
+            out = c.completions.create(model=MODEL, prompt=prompt + " and then", max_tokens=1)
+            assert out.model == name
+            assert out.usage is not None and out.usage.prompt_tokens_details is not None
+            assert out.usage.prompt_tokens_details.cached_tokens >= BLOCK
 
 
 def _models(url: str) -> str:
