@@ -120,30 +120,30 @@ def test_serve_smollm2_answers_the_openai_client_and_stops_at_end_of_turn() -> N
             seen.append(line)
             if " on http://" in line:
                 url = line.split(" on ")[1].split()[0]
-        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-        (model,) = [m.id for m in client.models.list()]
-        out = client.chat.completions.create(
-            model=model,
-            messages=[{"role": "user", "content": "What is the capital of France?"}],
-            max_tokens=60,
-            temperature=0,
-        )
-        answer = out.choices[0].message.content or ""
-        assert "Paris" in answer
-        assert out.choices[0].finish_reason == "stop"  # at <|im_end|>, not max_tokens
-        assert "<|im_end|>" not in answer
-        assert out.usage is not None and out.usage.completion_tokens < 60
-        again = client.chat.completions.create(
-            model=model,
-            messages=[{"role": "user", "content": "What is the capital of France?"}],
-            max_tokens=60,
-            temperature=0,
-        )
-        assert again.choices[0].message.content == answer
-        assert again.usage is not None and again.usage.prompt_tokens_details is not None
-        assert again.usage.prompt_tokens_details.cached_tokens == (
-            (out.usage.prompt_tokens - 1) // 16 * 16
-        )
+        with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0) as client:
+            (model,) = [m.id for m in client.models.list()]
+            out = client.chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": "What is the capital of France?"}],
+                max_tokens=60,
+                temperature=0,
+            )
+            answer = out.choices[0].message.content or ""
+            assert "Paris" in answer
+            assert out.choices[0].finish_reason == "stop"  # at <|im_end|>, not max_tokens
+            assert "<|im_end|>" not in answer
+            assert out.usage is not None and out.usage.completion_tokens < 60
+            again = client.chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": "What is the capital of France?"}],
+                max_tokens=60,
+                temperature=0,
+            )
+            assert again.choices[0].message.content == answer
+            assert again.usage is not None and again.usage.prompt_tokens_details is not None
+            assert again.usage.prompt_tokens_details.cached_tokens == (
+                (out.usage.prompt_tokens - 1) // 16 * 16
+            )
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -219,14 +219,14 @@ def test_serve_model_tiny_answers_on_one_replica() -> None:
     openai = pytest.importorskip("openai")
     server = TinyServer()
     try:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-        assert [m.id for m in client.models.list()] == ["tiny-llama"]
-        out = client.chat.completions.create(
-            model="tiny-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=5
-        )
-        assert out.usage is not None and out.usage.completion_tokens == 5
-        text = client.completions.create(model="tiny-llama", prompt="abc", max_tokens=3)
-        assert len(text.choices[0].text) == 3
+        with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as client:
+            assert [m.id for m in client.models.list()] == ["tiny-llama"]
+            out = client.chat.completions.create(
+                model="tiny-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=5
+            )
+            assert out.usage is not None and out.usage.completion_tokens == 5
+            text = client.completions.create(model="tiny-llama", prompt="abc", max_tokens=3)
+            assert len(text.choices[0].text) == 3
     finally:
         server.proc.send_signal(signal.SIGINT)
         assert server.wait() == 0

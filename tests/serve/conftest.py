@@ -142,6 +142,28 @@ def start_tiny_server(model: Any, codec: Any = None, **limits: Any) -> ServerThr
     return ServerThread(app, send_buffer=send_buffer).start()
 
 
+_OPEN_CLIENTS: list[Any] = []
+
+
+def openai_client(base_url: str, api_key: str = "unused", **kw: Any) -> Any:
+    """An ``openai.OpenAI`` client for ``base_url``, closed when the test that made it ends.
+
+    A client left to the garbage collector leaves its pooled (or half-read, streamed)
+    connection open, and the ResourceWarning fails whichever later test collects it."""
+    import openai
+
+    c = openai.OpenAI(base_url=base_url + "/v1", api_key=api_key, **kw)
+    _OPEN_CLIENTS.append(c)
+    return c
+
+
+@pytest.fixture(autouse=True)
+def _close_openai_clients() -> Iterator[None]:
+    yield
+    while _OPEN_CLIENTS:
+        _OPEN_CLIENTS.pop().close()
+
+
 @pytest.fixture(scope="module")
 def tiny() -> Any:
     return tiny_llama()

@@ -24,6 +24,8 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 prometheus_parser = pytest.importorskip("prometheus_client.parser")
 
+from .conftest import openai_client  # noqa: E402
+
 pytestmark = pytest.mark.torch
 
 MODEL = "tiny-llama"
@@ -45,7 +47,7 @@ def unique_text(n: int) -> str:
 
 
 def client(server: Any, **kw: Any) -> Any:
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", **kw)
+    return openai_client(server.base_url, **kw)
 
 
 def sse_events(raw: str) -> list[str]:

@@ -19,6 +19,7 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
+from .conftest import openai_client  # noqa: E402
 from .test_http import MODEL, PAGE, WAIT, metrics, unique_text, until, value  # noqa: E402
 
 pytestmark = pytest.mark.torch
@@ -57,8 +58,8 @@ def test_requests_without_a_valid_key_get_401(keyed: Any) -> None:
     r = httpx.post(url + "/v1/completions", content=b"x" * 10, headers={"content-length": "10"})
     assert r.status_code == 401
     with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
-    good = openai.OpenAI(base_url=url + "/v1", api_key="key-alice", max_retries=0)
+        openai_client(url, api_key="wrong", max_retries=0).models.list()
+    good = openai_client(url, api_key="key-alice", max_retries=0)
     assert [m.id for m in good.models.list()] == [MODEL]
 
 

@@ -20,7 +20,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 prometheus_parser = pytest.importorskip("prometheus_client.parser")
 
-from .conftest import MODEL_NAME, PAGE, CharCodec, ServerThread  # noqa: E402
+from .conftest import MODEL_NAME, PAGE, CharCodec, ServerThread, openai_client  # noqa: E402
 
 pytestmark = pytest.mark.torch
 WAIT = 30.0
@@ -117,7 +117,7 @@ def start_router(backends: list[Backend]) -> Iterator[Callable[..., ServerThread
 
 
 def client(server: ServerThread, **kw: Any) -> Any:
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", **kw)
+    return openai_client(server.base_url, **kw)
 
 
 def router_state(router: ServerThread) -> Any:
@@ -211,10 +211,10 @@ def test_streams_pass_through_chunk_by_chunk(start_router: Callable[..., ServerT
     )
     assert len(parts) > 1
     assert "".join(p.choices[0].text for p in parts) == whole.choices[0].text
-    chat = client(router).chat.completions.create(
+    with client(router).chat.completions.create(
         model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=3, stream=True
-    )
-    assert next(c.choices[0].delta.role for c in chat) == "assistant"
+    ) as chat:
+        assert next(c.choices[0].delta.role for c in chat) == "assistant"
     raw = httpx.post(
         router.base_url + "/v1/completions",
         json={"model": MODEL_NAME, "prompt": text, "max_tokens": 3, "stream": True},
@@ -280,8 +280,8 @@ def test_bad_bodies_are_refused_naming_the_problem(
 def test_api_keys(start_router: Callable[..., ServerThread]) -> None:
     router = start_router(api_keys={"k1": None, "k2": None})
     with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=router.base_url + "/v1", api_key="wrong").models.list()
-    c = openai.OpenAI(base_url=router.base_url + "/v1", api_key="k2")
+        openai_client(router.base_url, api_key="wrong").models.list()
+    c = openai_client(router.base_url, api_key="k2")
     assert c.completions.create(model=MODEL_NAME, prompt="hello", max_tokens=1).choices
     assert httpx.get(router.base_url + "/health").status_code == 200  # probes need no key
 
