@@ -260,11 +260,13 @@ class SchedulerConformance(RuleBasedStateMachine):
     # aborts and drains act on one draw of ``now`` in three, so that they do not crowd out
     # steps and arrivals (Hypothesis picks enabled rules uniformly)
     @precondition(lambda self: bool(self.live))
-    @rule(data=st.data(), now=st.integers(0, 2))
-    def abort(self, data: st.DataObject, now: int) -> None:
+    @rule(data=st.data(), now=st.integers(0, 2), started=st.booleans())
+    def abort(self, data: st.DataObject, now: int, started: bool) -> None:
+        """A client goes away (``started``: one whose request has run, if any has)."""
         if now:
             return
-        rid = data.draw(st.sampled_from(sorted(self.live)), label="request")
+        pick = sorted(self.live & self.seen) if started else []
+        rid = data.draw(st.sampled_from(pick or sorted(self.live)), label="request")
         running = self.rows is not None and any(r.request_id == rid for r in self.rows)
         self.at = f"abort({rid}{', while its step runs' if running else ''})"
         note(self.at)
