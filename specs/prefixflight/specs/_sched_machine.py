@@ -40,11 +40,14 @@ tail: ``a.b+3c`` is two full blocks and 3 tokens of chunk ``c``.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
-from hypothesis import assume, note
+from hypothesis import assume
+from hypothesis import note as _hypothesis_note
 from hypothesis import strategies as st
+from hypothesis.errors import InvalidArgument
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from ._adapter import ALPHABET, chunk_tokens, label, name_of, semantics_of
@@ -61,6 +64,12 @@ _STOP = 3
 
 # one slot per position of a page: the sequence (prefix) whose KV it holds, who wrote it, when
 _Slot = tuple[tuple[int, ...], str, int]
+
+
+def note(text: str) -> None:
+    """Hypothesis' ``note``, and nothing outside a test (a sequence replayed by hand)."""
+    with contextlib.suppress(InvalidArgument):
+        _hypothesis_note(text)
 
 
 def sampled_token(sequence: Sequence[int]) -> int:
@@ -144,13 +153,17 @@ class SchedulerConformance(RuleBasedStateMachine):
             policy=policy,
         )
         try:
-            sched = type(self).factory(limits)
+            self._begin(limits)
         except Unsupported as exc:
             note(f"unsupported: {exc}")
             assume(False)
-        self.sched = sched
+
+    def _begin(self, limits: SchedulerLimits) -> None:
+        """A fresh scheduler for ``limits`` (the rules' helpers ``_add``, ``_schedule``,
+        ``_complete`` and ``_abort`` replay a sequence by hand)."""
+        self.sched = type(self).factory(limits)
         self.limits = limits
-        self.slots = [[None] * bs for _ in range(limits.pages)]
+        self.slots = [[None] * limits.block_size for _ in range(limits.pages)]
         self.at = f"start({limits!r})"
         note(self.at)
 
@@ -266,7 +279,9 @@ class SchedulerConformance(RuleBasedStateMachine):
         if now:
             return
         pick = sorted(self.live & self.seen) if started else []
-        rid = data.draw(st.sampled_from(pick or sorted(self.live)), label="request")
+        self._abort(data.draw(st.sampled_from(pick or sorted(self.live)), label="request"))
+
+    def _abort(self, rid: str) -> None:
         running = self.rows is not None and any(r.request_id == rid for r in self.rows)
         self.at = f"abort({rid}{', while its step runs' if running else ''})"
         note(self.at)
@@ -408,7 +423,10 @@ class SchedulerConformance(RuleBasedStateMachine):
         for r in rows:
             rid = r.request_id
             if r.reads_from:
-                assert mode == "declared", f"{self.at}: {rid} declares reads_from"
+                assert mode == "declared", (
+                    f"{self.at}: {rid} reads pages {list(r.reads_from)} write in this same "
+                    f"step (its reads_from), but same_step_reads={mode!r}"
+                )
                 late = [w for w in r.reads_from if w not in earlier]
                 assert not late, f"{self.at}: {rid} reads from {late}, not earlier rows"
             context = -(-r.start // bs)
@@ -418,7 +436,9 @@ class SchedulerConformance(RuleBasedStateMachine):
                     continue
                 where = f"{self.at}: page {page}, written by {owner} in this step,"
                 assert j < context, f"{where} is in {rid}'s page table past its context"
-                assert mode != "none", f"{where} is read by {rid} in the same step"
+                assert mode != "none", (
+                    f"{where} is read by {rid} in the same step, but same_step_reads='none'"
+                )
                 assert mode == "any" or owner in r.reads_from, (
                     f"{where} is read by {rid}, whose reads_from is {list(r.reads_from)}"
                 )
@@ -555,20 +575,21 @@ class SchedulerConformance(RuleBasedStateMachine):
         assert used <= every and view.free <= every, (
             f"after {at}: pages outside 0..{len(every) - 1}"
         )
+        if view.refs is not None:
+            for p in sorted(every):
+                got, want = view.refs.get(p, 0), len(holders.get(p, ()))
+                assert got == want, (
+                    f"after {at}: page {p} has reference count {got}, but {want} requests hold "
+                    f"it {holders.get(p, [])}: "
+                    + ("a reference leaked" if got > want else "freed while in use")
+                )
         both = view.free & used
         assert not both, (
             f"after {at}: pages {sorted(both)} are free while held by "
-            f"{sorted({r for p in both for r in holders[p]})} (freed while in use)"
+            f"{sorted({r for p in both for r in holders[p]})}: freed while in use"
         )
         leaked = every - view.free - used
         assert not leaked, f"after {at}: pages {sorted(leaked)} are neither free nor held: leaked"
-        if view.refs is not None:
-            for p in sorted(every):
-                want = len(holders.get(p, ()))
-                assert view.refs.get(p, 0) == want, (
-                    f"after {at}: page {p} has reference count {view.refs.get(p, 0)}, "
-                    f"{want} requests hold it ({holders.get(p, [])})"
-                )
         self._check_cached(view, None)
         if self.rows is None:
             assert self.sched.has_unfinished() == bool(self.live), (
