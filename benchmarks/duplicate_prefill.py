@@ -269,6 +269,34 @@ async def run_workload(
     }
 
 
+def summary(rows: list[dict[str, Any]]) -> str:
+    """A markdown table: per workload and engine, the medians over rounds."""
+
+    def med(xs: list[float]) -> float:
+        xs = sorted(xs)
+        return xs[len(xs) // 2]
+
+    out = [
+        "| workload | engine | block | prompt tokens computed (ideal) | duplicate | mean TTFT (s) "
+        "| slowest (s) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    keys = sorted(
+        {(r["workload"], r["engine"]) for r in rows},
+        key=lambda k: (WORKLOADS.index(k[0]) if k[0] in WORKLOADS else 99, ENGINES.index(k[1])),
+    )
+    for w, e in keys:
+        rs = [r for r in rows if (r["workload"], r["engine"]) == (w, e)]
+        computed = med([r["computed_prompt_tokens"] for r in rs])
+        dup = med([r["duplicate_tokens"] for r in rs])
+        out.append(
+            f"| {w} | {e} | {rs[0]['block_size']} | {computed:.0f} ({rs[0]['ideal_computed']}) "
+            f"| {dup:.0f} | {med([r['mean_ttft'] for r in rs]):.2f} "
+            f"| {med([r['slowest_completion'] for r in rs]):.1f} |"
+        )
+    return "\n".join(out)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -317,6 +345,8 @@ def main() -> int:
             finally:
                 srv.stop()
     load = os.getloadavg()
+    print(summary(rows))
+    print(f"load average after: {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
     if args.json:
         args.json.write_text(
             json.dumps(

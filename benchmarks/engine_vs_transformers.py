@@ -1,7 +1,7 @@
 """Our engine against transformers' own continuous batching, side by side, on SmolLM2-135M.
 
-Same model (SmolLM2-135M-Instruct, fp32, CPU, the same torch thread count for both: one
-process, ``torch.set_num_threads``), the same prompts, greedy decoding of exactly
+Same model (SmolLM2-135M-Instruct, fp32 unless ``--dtype``, CPU, the same torch thread count
+for both: one process, ``torch.set_num_threads``), the same prompts, greedy decoding of exactly
 ``--new-tokens`` tokens (no stop token), both engines interleaved in every round (the order
 alternates), medians over rounds. Each engine starts every workload empty (a fresh
 `AsyncEngine`; a fresh transformers ``ContinuousBatchingManager``, so a fresh paged cache).
@@ -28,7 +28,8 @@ num_blocks=1024)`` (its default page of 256 tokens would share at most one block
 ``EngineConfig(release_policy=AFTER_PREFILL, page_size=16, max_batch_tokens=1024)`` and
 paged attention.
 
-    python benchmarks/engine_vs_transformers.py [--rounds 3] [--threads 1] [--json FILE]
+    python benchmarks/engine_vs_transformers.py [--rounds 3] [--threads 1] [--dtype float32]
+        [--json FILE]
 """
 
 from __future__ import annotations
@@ -236,17 +237,19 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=500)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     workloads = [w for w in args.workloads.split(",") if w]
     torch.set_num_threads(args.threads)
-    ours_model = load_smollm2(device="cpu")
+    ours_model = load_smollm2(device="cpu", dtype=args.dtype)
     tok = ours_model.tokenizer
-    theirs = load_smollm2(device="cpu").model  # its own copy: CB switches its attention
+    theirs = load_smollm2(device="cpu", dtype=args.dtype).model  # its own copy (CB switches
+    # its attention implementation)
     prompts = build_prompts(tok, args)
     lengths = {w: sorted({len(p) for p in ps}) for w, ps in prompts.items()}
     runner = TransformersRunner.for_model(
-        ours_model.model, num_pages=1024, page_size=PAGE_SIZE, device="cpu"
+        ours_model.model, num_pages=1024, page_size=PAGE_SIZE, device="cpu", dtype=args.dtype
     )
     counter = [0]
 
@@ -280,9 +283,11 @@ def main() -> None:
             for e in order:
                 s = runs[w][e]().summary()
                 samples[w][e].append(s)
-                print(f"round {r + 1} {w:<22} {e:<12} " + " ".join(
-                    f"{k}={v:.3f}" for k, v in s.items()
-                ), flush=True)
+                print(
+                    f"round {r + 1} {w:<22} {e:<12} "
+                    + " ".join(f"{k}={v:.3f}" for k, v in s.items()),
+                    flush=True,
+                )
     load_after = os.getloadavg()
     med = {
         w: {
@@ -292,7 +297,8 @@ def main() -> None:
         for w in workloads
     }
     print(
-        f"\nSmolLM2-135M fp32 on cpu, {args.threads} thread(s), {args.new_tokens} new tokens, "
+        f"\nSmolLM2-135M {args.dtype} on cpu, {args.threads} thread(s), "
+        f"{args.new_tokens} new tokens, "
         f"median of {args.rounds} rounds; load average {load_before[0]:.1f} -> {load_after[0]:.1f}"
     )
     head = (
@@ -324,7 +330,7 @@ def main() -> None:
                     "prompt_lengths": lengths,
                     "settings": {
                         "model": "SmolLM2-135M-Instruct",
-                        "dtype": "float32",
+                        "dtype": args.dtype,
                         "device": "cpu",
                         "threads": args.threads,
                         "new_tokens": args.new_tokens,

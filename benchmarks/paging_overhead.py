@@ -257,9 +257,7 @@ def main() -> None:
                     "bare_forward": med["bare"],
                     "ratio": ratio,
                     "warm_step": {"paged": med["paged"], "gather": med["gather"]},
-                    "decode_step": {
-                        v: {str(b): dmed[v][b] for b in BATCHES} for v in dmed
-                    },
+                    "decode_step": {v: {str(b): dmed[v][b] for b in BATCHES} for v in dmed},
                     "decode_lengths": lengths,
                     "samples": {"warm": warm, "decode": decode},
                     "args": vars(args),

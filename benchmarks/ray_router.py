@@ -443,8 +443,7 @@ def main() -> None:
             pooled += outs["grpo"] + outs["mooncake"]
             summary = summarize(outs["grpo"] + outs["mooncake"], sum(run["walls"].values()))
             summary["workloads"] = {
-                phase: summarize(outs[phase], run["walls"][phase])
-                for phase in ("grpo", "mooncake")
+                phase: summarize(outs[phase], run["walls"][phase]) for phase in ("grpo", "mooncake")
             }
             rounds[ROUTER_KEYS[name]].append(summary)
             if name == "burst":  # the router whose co-location is the point

@@ -125,9 +125,9 @@ def records(path: str) -> Iterator[dict[str, object]]:
                 yield json.loads(line)
 
 
-def replay(trace: Iterable[dict[str, object]], cache: S3FIFO | LRU, block_size: int) -> dict[
-    str, int
-]:
+def replay(
+    trace: Iterable[dict[str, object]], cache: S3FIFO | LRU, block_size: int
+) -> dict[str, int]:
     requests = prompt_tokens = hit_tokens = mismatches = 0
     for rec in trace:
         ids = rec["hash_ids"]

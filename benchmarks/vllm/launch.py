@@ -331,6 +331,8 @@ def _wait_healthy(server: VLLMServer, deadline: float) -> int:
                 with urllib.request.urlopen(f"http://{server.host}:{port}/health", timeout=5) as r:
                     if r.status == 200:
                         return port
+            except urllib.error.HTTPError as exc:  # not ready yet (e.g. 503): close its socket
+                exc.close()
             except (urllib.error.URLError, OSError):
                 pass
         time.sleep(0.25)  # polling a child process's start-up; nothing to wait on instead

@@ -67,7 +67,7 @@ def smollm2() -> Any:
     ~/.cache/prefixflight) and loaded from there afterwards."""
     from prefixflight.backends.torch import load_smollm2
 
-    return load_smollm2(device="cpu")
+    return load_smollm2(device="cpu", dtype="float32")
 
 
 # -- shared by the engine tests ---------------------------------------------------------------

@@ -181,9 +181,10 @@ def test_a_backend_failure_fails_the_requests_of_its_step_and_the_engine_serves_
             usage = engine.scheduler.page_usage()
             assert usage.free == usage.total
             broken = False
-            prompt = prompt_of(7, 9)
-            out = await collect(engine.generate(prompt, SamplingParams(max_tokens=3)))
-            assert out == greedy_reference(tiny_model, prompt, 3)
+            for prompt in (prompt_of(7, 9), prompt_of(0, 9)):  # a new one, a failed one again
+                gen = engine.generate(prompt, SamplingParams(max_tokens=3))
+                assert await collect(gen) == greedy_reference(tiny_model, prompt, 3)
+                assert gen.report is not None and gen.report.cached_tokens == 0
 
     run(main)
 

@@ -1,9 +1,11 @@
 """The paged attention path against the gather path (the reference).
 
 Two runners over two pools run the same plans on the same model: ``attention="paged"``
-(keys and values written and read inside the model's attention, no ``DynamicCache``) and
-``attention="gather"`` (each row's context gathered into a ``DynamicCache`` first). Every
-step's sampled tokens must be identical and every sampled row's logits within 1e-4.
+(keys and values written and read inside each attention layer, no ``DynamicCache``; the
+runner's fused forward, or with ``fused=False`` the model's own modules) and
+``attention="gather"`` (each row's context gathered into a ``DynamicCache`` first, the
+model's own forward). Every step's sampled tokens must be identical and every sampled row's
+logits within 1e-4 (fp32).
 """
 
 from __future__ import annotations
@@ -29,10 +31,16 @@ VOCAB = 512
 
 
 def runners(
-    model: Any, *, num_pages: int, page_size: int, long_chunk: int = 64, device: str = "cpu"
+    model: Any,
+    *,
+    num_pages: int,
+    page_size: int,
+    long_chunk: int = 64,
+    device: str = "cpu",
+    fused: bool = True,
 ) -> tuple[TransformersRunner, TransformersRunner]:
     """(paged, gather) runners with pools of their own, fp32."""
-    return tuple(  # type: ignore[return-value]
+    paged, gather = (
         TransformersRunner.for_model(
             model,
             num_pages=num_pages,
@@ -41,9 +49,12 @@ def runners(
             dtype="float32",
             long_chunk=long_chunk,
             attention=attention,
+            fused=fused,
         )
         for attention in ("paged", "gather")
     )
+    assert paged.fused == fused
+    return paged, gather
 
 
 def run_mixed(
@@ -55,6 +66,7 @@ def run_mixed(
     new_tokens: int,
     rng: random.Random,
     device: str = "cpu",
+    fused: bool = True,
 ) -> dict[int, list[int]]:
     """Run both paths over the same mixed plans; return the greedy tokens per request.
 
@@ -71,6 +83,7 @@ def run_mixed(
         page_size=ps,
         long_chunk=long_chunk,
         device=device,
+        fused=fused,
     )
     free = list(range(1, per * len(prompts) + 1))
     rng.shuffle(free)
@@ -145,6 +158,7 @@ prompt_st = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=40).map(tup
     long_chunk=st.integers(1, 24),
     new_tokens=st.integers(1, 5),
     seed=st.integers(0, 2**16),
+    fused=st.booleans(),
 )
 def test_paged_equals_gather_on_mixed_steps(
     tiny_model: Any,
@@ -154,6 +168,7 @@ def test_paged_equals_gather_on_mixed_steps(
     long_chunk: int,
     new_tokens: int,
     seed: int,
+    fused: bool,
 ) -> None:
     prompts = [shared + t for t in tails]
     out = run_mixed(
@@ -163,6 +178,7 @@ def test_paged_equals_gather_on_mixed_steps(
         long_chunk=long_chunk,
         new_tokens=new_tokens,
         rng=random.Random(seed),
+        fused=fused,
     )
     assert all(len(toks) == new_tokens for toks in out.values())
 
@@ -177,7 +193,8 @@ def test_paged_is_the_default_and_the_choice_is_checked(tiny_model: Any) -> None
 def test_plain_forward_on_a_paged_model_is_plain_sdpa(tiny_factory: Any) -> None:
     """Registering the paged function leaves the model usable with its own cache."""
     plain, paged = tiny_factory("llama", 3), tiny_factory("llama", 3)
-    TransformersRunner.for_model(paged, num_pages=4, device="cpu")  # switches its attention
+    # the model's own modules with paged attention: switches its attention implementation
+    TransformersRunner.for_model(paged, num_pages=4, device="cpu", fused=False)
     assert paged.config._attn_implementation != plain.config._attn_implementation
     ids = torch.tensor([[5, 9, 13, 2, 7, 7, 1]])
     with torch.inference_mode():
@@ -266,3 +283,111 @@ def test_paged_equals_gather_on_cuda(
         )
     finally:
         tiny_model.to("cpu")
+
+
+def teacher_forced_logits(
+    runner: TransformersRunner, prompts: list[tuple[int, ...]], forced: list[int], page_size: int
+) -> list[Any]:
+    """Every sampled row's logits over: request 0 prefilled alone, the others reusing its
+    first page and prefilled together, then decode steps of all of them fed ``forced``."""
+    per = -(-(max(map(len, prompts)) + len(forced)) // page_size)
+    tables = [tuple(range(1 + i * per, 1 + (i + 1) * per)) for i in range(len(prompts))]
+    tables = [tables[0]] + [tables[0][:1] + t[1:] for t in tables[1:]]
+    out: list[Any] = []
+
+    def step(n: int, prefills: list[PrefillWork], decodes: list[DecodeWork]) -> None:
+        res = runner.execute(StepPlan(step=n, prefills=tuple(prefills), decodes=tuple(decodes)))
+        out.extend(runner.last_logits[rid].float() for rid, _ in res.sampled)
+
+    def prefill(i: int, start: int) -> PrefillWork:
+        return PrefillWork(
+            request_id=i, token_ids=prompts[i][start:], start=start, pages=tables[i], sample=True
+        )
+
+    def decode(i: int, tok: int, pos: int) -> DecodeWork:
+        return DecodeWork(request_id=i, token_id=tok, position=pos, pages=tables[i])
+
+    step(0, [prefill(0, 0)], [])
+    step(
+        1,
+        [prefill(i, page_size) for i in range(1, len(prompts))],
+        [decode(0, forced[0], len(prompts[0]))],
+    )
+    for k, tok in enumerate(forced[1:], start=1):
+        # request 0 decoded once more than the others (in step 1)
+        decodes = [decode(i, tok, len(p) + k - (i > 0)) for i, p in enumerate(prompts)]
+        step(1 + k, [], decodes)
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_paged_logits_within_tolerance_per_dtype(tiny_factory: Any, dtype: str) -> None:
+    """The same plans in fp32 and bf16: the fused paged forward's logits stay within each
+    dtype's rounding of the gather path's (bf16: a few bf16 steps of the logit scale)."""
+    for family in ("llama", "qwen2"):
+        model = tiny_factory(family, 5)
+        rng = random.Random(3)
+        shared = tuple(rng.randrange(VOCAB) for _ in range(8))
+        prompts = [shared + tuple(rng.randrange(VOCAB) for _ in range(n)) for n in (9, 3, 14)]
+        got = []
+        for attention in ("paged", "gather"):
+            runner = TransformersRunner.for_model(
+                model, num_pages=64, page_size=4, device="cpu", dtype=dtype, attention=attention
+            )
+            assert runner.fused == (attention == "paged")
+            got.append(teacher_forced_logits(runner, prompts, [7, 300, 12, 5], 4))
+        scale = max(float(x.abs().max()) for x in got[1])
+        tol = ATOL if dtype == "float32" else 0.05 * scale
+        for a, b in zip(*got, strict=True):
+            torch.testing.assert_close(a, b, atol=tol, rtol=0)
+
+
+@pytest.mark.realmodel
+def test_smollm2_bf16_paged_close_to_gather(smollm2: Any) -> None:
+    """SmolLM2 in bf16 (the CPU default where bf16 is native): the fused paged forward and
+    the model's own forward over gathered pages agree to bf16 rounding and pick the same
+    greedy token almost everywhere."""
+    import copy
+
+    model = copy.deepcopy(smollm2.model).to(torch.bfloat16)
+    tok = smollm2.tokenizer
+    text = "The harbour city kept its records in a long stone hall near the water. " * 5
+    base = tuple(tok(text)["input_ids"])
+    prompts = [base + tuple(tok(q)["input_ids"]) for q in (" Why?", " Who kept them?")]
+    got = []
+    for attention in ("paged", "gather"):
+        runner = TransformersRunner.for_model(
+            model, num_pages=64, page_size=16, device="cpu", attention=attention
+        )
+        got.append(teacher_forced_logits(runner, prompts, [330, 2342, 28, 3], 16))
+    same = 0
+    for a, b in zip(*got, strict=True):
+        assert float((a - b).abs().max()) < 0.05 * float(b.abs().max())
+        same += int(a.argmax() == b.argmax())
+    assert same >= len(got[0]) - 1
+
+
+def test_unsupported_architecture_runs_its_own_modules(tiny_factory: Any) -> None:
+    """A model the fused forward does not know (here Mistral, whose sliding window it does
+    not implement) runs its own modules with paged attention, and matches the gather path."""
+    import transformers
+
+    config = transformers.MistralConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    model: Any = transformers.MistralForCausalLM(config)
+    model.eval()
+    paged, gather = runners(model, num_pages=64, page_size=4, fused=False)
+    assert not TransformersRunner.for_model(model, num_pages=4, device="cpu").fused
+    prompts = [tuple(range(3, 20)), (*range(3, 11), 40, 41)]
+    a = teacher_forced_logits(paged, prompts, [9, 8, 7], 4)
+    b = teacher_forced_logits(gather, prompts, [9, 8, 7], 4)
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(x, y, atol=ATOL, rtol=0)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -299,7 +300,13 @@ def test_pool_shape_must_fit_the_model(tiny_factory: Any) -> None:
 
 def test_pool_write_and_gather_round_trip() -> None:
     pool = PagedKVPool(
-        num_layers=2, num_kv_heads=3, head_dim=4, num_pages=5, page_size=4, device="cpu"
+        num_layers=2,
+        num_kv_heads=3,
+        head_dim=4,
+        num_pages=5,
+        page_size=4,
+        device="cpu",
+        dtype="float32",
     )
     assert pool.bytes_per_token == 2 * 2 * 3 * 4 * 4
     assert pool.nbytes == pool.bytes_per_token * 5 * 4
@@ -310,6 +317,23 @@ def test_pool_write_and_gather_round_trip() -> None:
     pool.write(slots, kv)
     assert torch.equal(pool.gather(slots), kv)
     assert torch.equal(pool.page_tensor(1), kv[:, :, 2:6])
+
+
+def test_default_dtype_is_bf16_where_the_cpu_has_it(tiny_factory: Any) -> None:
+    """bf16 on a CPU with native bf16 (AVX512-BF16/AMX), fp32 elsewhere; a pool made for a
+    model takes the model's dtype unless told otherwise."""
+    from prefixflight.backends.torch._device import native_bf16
+
+    pool = PagedKVPool(num_layers=1, num_kv_heads=1, head_dim=2, num_pages=2, device="cpu")
+    assert pool.dtype == (torch.bfloat16 if native_bf16() else torch.float32)
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = cpuinfo.read_text().split() if cpuinfo.exists() else []
+    if "avx512_bf16" in flags or "amx_bf16" in flags:
+        assert native_bf16()
+    model = tiny_factory("llama", 1).to(torch.bfloat16)
+    assert TransformersRunner.for_model(model, num_pages=2, device="cpu").pool.dtype == (
+        torch.bfloat16
+    )
 
 
 @pytest.mark.parametrize(

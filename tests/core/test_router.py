@@ -263,6 +263,10 @@ def test_router_hashes_prompts_with_the_partial_block() -> None:
         ("window_ms", True),
         ("window_ms", 10_001),
         ("max_batch_size", 1.5),
+        ("lone_wait_ms", 0),
+        ("lone_wait_ms", 101),
+        ("lone_wait_ms", 2.5),
+        ("lone_wait_ms", True),
     ],
 )
 def test_invalid_config_is_rejected_naming_the_value(field: str, value: object) -> None:
@@ -311,6 +315,74 @@ def test_window_seals_at_deadline_and_a_second_window_opens_after() -> None:
     (only,) = r.tick(0.31)
     assert isinstance(only, NoAffinity) and only.request_id == 3
     r.check_invariants()
+
+
+def test_adaptive_window_releases_a_lone_request_after_its_wait() -> None:
+    r = BurstRouter(BurstConfig(window_ms=100, lone_wait_ms=10), reps(2))
+    assert r.arrive(req(1, (1, 2)), 0.0) == ()
+    assert r.deadline == pytest.approx(0.1) and r.wake_at == pytest.approx(0.01)
+    assert r.tick(0.009) == ()
+    assert r.tick(0.01) == (NoAffinity(request_id=1),)
+    assert r.pending == () and r.deadline is None and r.wake_at is None
+    r.check_invariants()
+
+
+def test_adaptive_window_keeps_a_burst_together_until_the_seal() -> None:
+    """Samples arriving within the lone wait share their key: none is released early."""
+    r = BurstRouter(BurstConfig(window_ms=100, lone_wait_ms=10), reps(2))
+    for i in range(4):
+        assert r.arrive(req(i, (7, 8)), 0.002 * i) == ()
+    r.arrive(req("lone", (9,)), 0.02)
+    assert r.wake_at == pytest.approx(0.03)  # the lone one's release, before the seal
+    assert r.tick(0.05) == (NoAffinity(request_id="lone"),)
+    assert r.wake_at == pytest.approx(0.1)
+    sealed = r.tick(0.1)
+    assert [a.request_id for a in sealed] == [0, 1, 2, 3]
+    assert len({a.replica for a in sealed if isinstance(a, Placed)}) == 1
+    r.check_invariants()
+
+
+def test_adaptive_window_releases_a_first_sample_whose_peers_come_late() -> None:
+    """The trade-off: a sample arriving after its group's first one waited out the lone
+    wait does not pull it back; the rest of the group still co-locates."""
+    r = BurstRouter(BurstConfig(window_ms=100, lone_wait_ms=10), reps(2))
+    r.arrive(req(0, (7, 8)), 0.0)
+    assert r.arrive(req(1, (7, 8)), 0.02) == (NoAffinity(request_id=0),)
+    r.arrive(req(2, (7, 8)), 0.021)
+    assert r.wake_at == pytest.approx(0.12)  # the release emptied the window: 1 opened anew
+    assert [a.request_id for a in r.tick(0.121) if isinstance(a, Placed)] == [1, 2]
+
+
+def test_adaptive_window_shares_by_leading_blocks_with_min_colocate_blocks() -> None:
+    r = BurstRouter(BurstConfig(window_ms=100, lone_wait_ms=10, min_colocate_blocks=2), reps(2))
+    r.arrive(req("a", (1, 2, 3)), 0.0)
+    r.arrive(req("b", (1, 2, 4)), 0.001)  # shares two leading blocks with a
+    r.arrive(req("c", (1, 5)), 0.002)  # shares one: lone
+    assert r.tick(0.05) == (NoAffinity(request_id="c"),)
+    assert r.pending == ("a", "b")
+
+
+def test_adaptive_window_cancel_turns_a_request_lone() -> None:
+    r = BurstRouter(BurstConfig(window_ms=100, lone_wait_ms=10), reps(2))
+    r.arrive(req(0, (7,)), 0.0)
+    r.arrive(req(1, (7,)), 0.001)
+    assert r.tick(0.05) == ()
+    r.cancel(1)  # 0 shares with nobody now, and its wait is over
+    assert r.wake_at == pytest.approx(0.01)
+    r.check_invariants()
+    assert r.tick(0.05) == (NoAffinity(request_id=0),)
+    assert r.deadline is None
+
+
+def test_adaptive_window_an_id_released_may_arrive_again() -> None:
+    r = BurstRouter(BurstConfig(window_ms=100, lone_wait_ms=10), reps(2))
+    r.arrive(req(0, (7,)), 0.0)
+    r.arrive(req(1, (7,)), 0.0)
+    r.cancel(1)
+    with pytest.raises(UsageError, match="already waiting"):
+        r.arrive(req(0, (3,)), 0.005)  # its wait is not over
+    assert r.arrive(req(0, (3,)), 0.01) == (NoAffinity(request_id=0),)
+    assert r.pending == (0,)
 
 
 def test_late_arrival_seals_the_open_batch_and_opens_a_new_one() -> None:

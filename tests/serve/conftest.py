@@ -53,7 +53,9 @@ class ServerThread:
     """``serve``'s uvicorn server for ``app`` on a free 127.0.0.1 port, in a thread, until
     `stop` (which shuts it down as SIGTERM would: draining, then closing)."""
 
-    def __init__(self, app: Any, *, send_buffer: int | None = None) -> None:
+    def __init__(
+        self, app: Any, *, send_buffer: int | None = None, make_server: Any = None
+    ) -> None:
         from prefixflight.serve.http import uvicorn_server
 
         self.sock = socket.create_server(("127.0.0.1", 0))
@@ -61,7 +63,8 @@ class ServerThread:
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
         self.port = self.sock.getsockname()[1]
         self.base_url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn_server(app, log_level="error")
+        # make_server: another app's server factory (prefixflight route's route_server)
+        self.server = (make_server or uvicorn_server)(app, log_level="error")
         self.loop: asyncio.AbstractEventLoop | None = None
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="test-uvicorn", daemon=True)

@@ -98,7 +98,9 @@ def test_a_tenant_never_shares_another_tenants_prefill(keyed: Any, step_gate: An
 
     def burst(keys: tuple[str, str]) -> tuple[float, list[int]]:
         before = value(metrics(keyed), followers)
-        prompt = unique_text(20)
+        # longer than a step's budget (128 tokens): the leader's flight stays open until its
+        # last chunk is planned, so the second request arrives while it is open
+        prompt = unique_text(300)
         step_gate.hold_after(0)  # nothing runs until both requests are in
         reused: list[int] = []
 

@@ -81,13 +81,13 @@ def test_the_router_routes_by_the_blocks_the_replicas_publish() -> None:
             blocks = state.engine_blocks(GenerateRequest(prompt_ids=ids, namespace="t"))
             blocks_b = state.engine_blocks(GenerateRequest(prompt_ids=other, namespace="t"))
             assert len(blocks) == 4
-            wait_for(lambda: kv.resident_prefix("a", blocks) == 4, "a's blocks")
-            wait_for(lambda: kv.resident_prefix("b", blocks_b) == 4, "b's blocks")
-            assert kv.resident_prefix("b", blocks) == 0
+            wait_for(lambda: kv.prefix_blocks("a", blocks) == 4, "a's blocks")
+            wait_for(lambda: kv.prefix_blocks("b", blocks_b) == 4, "b's blocks")
+            assert kv.prefix_blocks("b", blocks) == 0
             # the same tokens in another tenant's namespace are other keys
             for ns in ("", "u"):
                 elsewhere = state.engine_blocks(GenerateRequest(prompt_ids=ids, namespace=ns))
-                assert kv.resident_prefix("a", elsewhere) == 0
+                assert kv.prefix_blocks("a", elsewhere) == 0
             # a lone request (no window affinity) goes where its prefix is resident
             shared = ids[:40] + prompt(3, 30)
             state.submit("lone", GenerateRequest(prompt_ids=shared, namespace="t"), 0.0, LOADS)
@@ -96,7 +96,7 @@ def test_the_router_routes_by_the_blocks_the_replicas_publish() -> None:
             # an eviction reaches the router: a holds only the first block now
             ca.remove(blocks[1])
             pa.flush()
-            wait_for(lambda: kv.resident_prefix("a", blocks) == 1, "a's eviction")
+            wait_for(lambda: kv.prefix_blocks("a", blocks) == 1, "a's eviction")
         finally:
             kv.close()
 
@@ -109,21 +109,21 @@ def test_a_dropped_replica_is_unfollowed_and_a_moved_one_starts_over() -> None:
         try:
             blocks = BlockHasher(BS).hash_tokens(ids)
             kv.observe("a", stats(pa))
-            wait_for(lambda: kv.resident_prefix("a", blocks) == 4, "a's blocks")
+            wait_for(lambda: kv.prefix_blocks("a", blocks) == 4, "a's blocks")
             kv.observe("a", stats(pa))  # the same address again: nothing changes
             assert kv.subscriber.publishers == {"a": publisher_address(stats(pa))}
             kv.observe("a", stats(pa2))  # a publisher restarted elsewhere: its index restarts
-            wait_for(lambda: kv.resident_prefix("a", blocks) == 0, "a's index restarting")
+            wait_for(lambda: kv.prefix_blocks("a", blocks) == 0, "a's index restarting")
             wait_for(
                 lambda: kv.subscriber.publishers.get("a") == publisher_address(stats(pa2)),
                 "the new address",
             )
             publish(pa2, ca2, ids[:BS], b"")
-            wait_for(lambda: kv.resident_prefix("a", blocks) == 1, "a's new blocks")
+            wait_for(lambda: kv.prefix_blocks("a", blocks) == 1, "a's new blocks")
             kv.drop_replica("a")
             assert kv.replicas == ()
             wait_for(lambda: not kv.subscriber.publishers, "a unfollowed")
-            assert kv.resident_prefix("a", blocks) == 0 and "a" not in kv.subscriber.feeds
+            assert kv.prefix_blocks("a", blocks) == 0 and "a" not in kv.subscriber.feeds
             kv.drop_replica("a")  # unknown now: ignored
         finally:
             kv.close()
@@ -156,7 +156,7 @@ def test_an_unstarted_subscriber_adds_and_removes_publishers_at_once() -> None:
         assert sub.feeds["r"].next_seq == 1  # caught up through the replay socket at once
         assert sub.index.prefix_blocks("r", blocks) == 4
         kv = KVEventResidency(sub)  # a given subscriber: driven and closed by its owner
-        assert kv.replicas == ("r",) and kv.resident_prefix("r", blocks) == 4
+        assert kv.replicas == ("r",) and kv.prefix_blocks("r", blocks) == 4
         kv.drop_replica("r")
         assert not sub.publishers and sub.index.prefix_blocks("r", blocks) == 0
         kv.close()
@@ -196,9 +196,9 @@ def test_a_real_engine_replica_publishes_what_the_router_hashes() -> None:
         assert result.prompt_tokens == 50
         blocks = state.engine_blocks(req)
         assert len(blocks) == 3
-        wait_for(lambda: kv.resident_prefix(name, blocks) == 3, "the engine's blocks")
+        wait_for(lambda: kv.prefix_blocks(name, blocks) == 3, "the engine's blocks")
         other = state.engine_blocks(GenerateRequest(prompt_ids=ids))  # another namespace
-        assert kv.resident_prefix(name, other) == 0
+        assert kv.prefix_blocks(name, other) == 0
     finally:
         kv.close()
         engine.close()

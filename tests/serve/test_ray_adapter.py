@@ -122,11 +122,11 @@ def test_residency_sends_a_lone_request_where_its_blocks_are() -> None:
     state.submit("lone", GenerateRequest(prompt_ids=ids), 0.0, LOADS)
     state.tick(0.01, LOADS)
     assert state.decision("lone") == "c"
-    assert residency.resident_prefix("c", blocks) == 3
+    assert residency.prefix_blocks("c", blocks) == 3
     residency.removed("c", blocks[1:2])
-    assert residency.resident_prefix("c", blocks) == 1
+    assert residency.prefix_blocks("c", blocks) == 1
     state.drop_replica("c")
-    assert residency.resident_prefix("c", blocks) == 0 and residency.replicas == ()
+    assert residency.prefix_blocks("c", blocks) == 0 and residency.replicas == ()
 
 
 def test_state_rejects_bad_configuration() -> None:
@@ -134,7 +134,7 @@ def test_state_rejects_bad_configuration() -> None:
         RoutingState(fallback="random")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="engine_block_size must be >= 1, got 0"):
         RoutingState(engine_block_size=0)
-    with pytest.raises(ConfigError, match="residency must be a ResidencySource"):
+    with pytest.raises(ConfigError, match="residency must be a PrefixIndex"):
         RoutingState(residency=object())  # type: ignore[arg-type]
 
 

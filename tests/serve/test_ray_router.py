@@ -130,7 +130,7 @@ def test_a_lone_request_goes_where_the_kv_events_say_its_prefix_is(handle: Any) 
         assert len(blocks) == 20
 
         def published(a: str = a, blocks: Any = blocks) -> bool:
-            return residency.resident_prefix(a, blocks) == 20
+            return residency.prefix_blocks(a, blocks) == 20
 
         def fuller(a: str = a) -> bool:  # the router's stats see a's cache grow
             util = {
@@ -140,7 +140,7 @@ def test_a_lone_request_goes_where_the_kv_events_say_its_prefix_is(handle: Any) 
             return util[a] > min(u for n, u in util.items() if n != a)
 
         wait_for(published, timeout=15.0)
-        assert all(residency.resident_prefix(o, blocks) == 0 for o in names - {a})
+        assert all(residency.prefix_blocks(o, blocks) == 0 for o in names - {a})
         # the fallback (llm-d's approximate scorer) would now avoid a: its KV use is not the
         # lowest, and the next request's route blocks (64 tokens) match nothing it was sent
         wait_for(fuller)

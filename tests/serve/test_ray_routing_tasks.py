@@ -92,20 +92,21 @@ def test_every_request_is_routed_and_the_routing_tasks_retire(seed: int) -> None
 
 
 def test_the_prefix_router_is_rays_with_routing_tasks_that_keep_their_request() -> None:
-    from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import (
-        PrefixCacheAffinityRouter,
-    )
-
-    from prefixflight.serve.ray import ROUTERS
+    from prefixflight.serve.ray import ROUTERS, router_config
     from prefixflight.serve.ray._router import load_object
     from prefixflight.serve.ray._routing_tasks import OwnRequestRoutingMixin
 
-    for name in ("burst", "prefix"):
-        cls = load_object(ROUTERS[name])
+    paths = {name: ROUTERS[name] for name in ("burst", "prefix")}
+    for path in paths.values():
+        assert path is not None
+        cls = load_object(path)
         assert issubclass(cls, OwnRequestRoutingMixin)
         assert cls._fulfill_pending_requests is OwnRequestRoutingMixin._fulfill_pending_requests
-    assert issubclass(load_object(ROUTERS["prefix"]), PrefixCacheAffinityRouter)
-    assert not issubclass(load_object(ROUTERS["pow2"]), OwnRequestRoutingMixin)  # FIFO: safe
+    rays = [c for c in load_object(str(paths["prefix"])).__mro__ if c.__module__.startswith("ray.")]
+    assert rays[0].__name__ == "PrefixCacheAffinityRouter"  # Ray's own, right below the mixin
+    pow2 = router_config("pow2").get_request_router_class()  # Serve's default: FIFO, safe
+    assert pow2.__name__ == "PowerOfTwoChoicesRequestRouter"
+    assert not issubclass(pow2, OwnRequestRoutingMixin)
 
 
 class FailsOnBad(BurstRequestRouter):

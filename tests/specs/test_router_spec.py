@@ -42,11 +42,14 @@ def test_assignment_matches_the_reference(
     [
         {"max_batch_size": -1},  # ignores max_batch_size
         {"full_batch": "seal_early"},  # issue 9's defect 13: seals a full batch early
+        {"lone_wait_ms": None},  # never releases a lone request early
+        {"lone_wait_ms": 1},  # releases lone requests too early
     ],
-    ids=["no-cap", "always-seal-early"],
+    ids=["no-cap", "always-seal-early", "no-adaptive-window", "short-lone-wait"],
 )
 def test_the_machine_catches_a_wrong_router(change: dict[str, object]) -> None:
-    """A router that mishandles full batches must fail the conformance machine."""
+    """A router that mishandles full batches or the adaptive window must fail the
+    conformance machine."""
 
     class Wrong:
         def __init__(self, config: BurstConfig, replicas: Sequence[ReplicaLoad]) -> None:
@@ -59,6 +62,10 @@ def test_the_machine_catches_a_wrong_router(change: dict[str, object]) -> None:
         @property
         def deadline(self) -> float | None:
             return self.inner.deadline
+
+        @property
+        def wake_at(self) -> float | None:
+            return self.inner.wake_at
 
         def arrive(self, request: RouteRequest, now: float) -> tuple[Assignment, ...]:
             return self.inner.arrive(request, now)

@@ -33,6 +33,7 @@ COMMANDS = {
     "bench": "_bench_cmd",
     "demo": "_demo_cmd",
     "serve": "_serve_cmd",
+    "route": "_route_cmd",
     "conform": "_conform_cmd",
 }
 

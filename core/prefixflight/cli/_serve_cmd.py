@@ -23,7 +23,14 @@ from ._args import at_least, non_negative_float, positive_float
 from ._bench_cmd import prepare_torch_process
 from ._serve_ray_cmd import add_ray_arguments, run_ray
 
-__all__ = ["kv_events_banner", "kv_publisher", "register", "run"]
+__all__ = [
+    "add_access_arguments",
+    "api_keys",
+    "kv_events_banner",
+    "kv_publisher",
+    "register",
+    "run",
+]
 
 MODELS = ("smollm2", "tiny")
 KV_LOOPBACK = "tcp://127.0.0.1:*"  # a free loopback port
@@ -154,7 +161,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="with --kv-events: the pod in the topic kv@POD@MODEL (default: this host's name)",
     )
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
-    p.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (CUDA)")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="bfloat16 (default on CUDA and on CPUs with native bf16) or float32 (elsewhere)",
+    )
     p.add_argument(
         "--threads",
         type=at_least(1),
@@ -169,6 +180,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="uvicorn's log level (default warning)",
     )
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    add_access_arguments(p)
+    add_ray_arguments(p)
+    p.set_defaults(func=run, parser=p)
+
+
+def add_access_arguments(p: argparse.ArgumentParser) -> None:
+    """API keys and the HTTP limits (``prefixflight serve`` and ``prefixflight route``)."""
     g = p.add_argument_group("access and limits (docs/serve.md)")
     g.add_argument(
         "--api-key",
@@ -212,8 +230,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="on SIGINT/SIGTERM, seconds requests in progress may take to finish before "
         "they are failed (default 5)",
     )
-    add_ray_arguments(p)
-    p.set_defaults(func=run, parser=p)
 
 
 def kv_publisher(args: argparse.Namespace, model: str) -> Any:

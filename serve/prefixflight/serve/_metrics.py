@@ -177,6 +177,9 @@ class _EngineCollector(Collector):
         values = self._values
         states = list(sched.requests().values())
         running = sum(s is RequestState.RUNNING for s in states)
+        # queued for pages or following a flight; not ABORTING (it only holds its pages
+        # until its step ends)
+        waiting = sum(s in (RequestState.QUEUED, RequestState.WAITING) for s in states)
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             g = GaugeMetricFamily(name, doc, labels=LABELS)
@@ -195,7 +198,7 @@ class _EngineCollector(Collector):
             "vllm:num_requests_waiting",
             "Number of requests waiting to be processed (queued for pages, or waiting in a "
             "flight for its leader's prefill).",
-            len(states) - running,
+            waiting,
         )
         usage = sched.page_usage()
         yield gauge(

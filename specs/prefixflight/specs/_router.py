@@ -3,6 +3,8 @@
 `reference_assign` is a literal reading of the assignment rules (after llm-d's burst
 prefix-cache producer): slow, with linear scans and explicit common-prefix comparisons
 instead of the implementation's hash index. `ReferenceWindow` is the batch window as a list.
+`ReferenceWindow` includes the adaptive window (``lone_wait_ms``): a request sharing its
+prefix with no other waiting request is released after that wait, read as a list scan.
 `BurstRouterConformance.for_factory(factory)` runs any implementation side by side with the
 model after every step::
 
@@ -10,7 +12,8 @@ model after every step::
     run_state_machine_as_test(BurstRouterConformance.for_factory(my_factory))
 
 where ``my_factory(config, replicas)`` returns an object with ``arrive``, ``tick``,
-``cancel``, ``update_replicas``, ``pending`` and ``deadline`` (see `WindowedRouter`).
+``cancel``, ``update_replicas``, ``pending``, ``deadline`` and ``wake_at`` (see
+`WindowedRouter`).
 """
 
 from __future__ import annotations
@@ -155,12 +158,13 @@ def reference_assign(
 
 
 class ReferenceWindow:
-    """The batch window, plainly: a list of waiting requests and the time the window opened."""
+    """The batch window, plainly: a list of waiting requests with their arrival times, and the
+    time the window opened."""
 
     def __init__(self, config: BurstConfig, replicas: Sequence[ReplicaLoad]) -> None:
         self.config = config
         self.replicas = list(replicas)
-        self.waiting: list[RouteRequest] = []
+        self.waiting: list[tuple[RouteRequest, float]] = []
         self.opened_at: float | None = None
         self.now = float("-inf")
 
@@ -169,12 +173,55 @@ class ReferenceWindow:
         return None if self.opened_at is None else self.opened_at + self.config.window_s
 
     @property
+    def wake_at(self) -> float | None:
+        """The deadline, or the earlier release time of a lone request (adaptive window)."""
+        deadline = self.deadline
+        if deadline is None:
+            return None
+        return min([deadline, *(release for _, release in self._lone_releases())])
+
+    @property
     def pending(self) -> tuple[RequestId, ...]:
-        return tuple(r.request_id for r in self.waiting)
+        return tuple(r.request_id for r, _ in self.waiting)
+
+    def _shares(self, a: RouteRequest, b: RouteRequest) -> bool:
+        """Would a seal place ``a`` with ``b``: the same non-empty key, or (with
+        ``min_colocate_blocks``) at least that many leading blocks in common."""
+        cap, m = self.config.max_prefix_blocks, self.config.min_colocate_blocks
+        ka, kb = tuple(a.blocks[:cap]), tuple(b.blocks[:cap])
+        if ka and ka == kb:
+            return True
+        return m > 0 and _common_prefix(ka, kb) >= m
+
+    def _lone_releases(self) -> list[tuple[RouteRequest, float]]:
+        """Each waiting request that shares with no other waiting one, and its release time."""
+        wait = self.config.lone_wait_s
+        if wait is None:
+            return []
+        return [
+            (r, at + wait)
+            for r, at in self.waiting
+            if not any(o.request_id != r.request_id and self._shares(r, o) for o, _ in self.waiting)
+        ]
+
+    def _release(self, now: float) -> tuple[Assignment, ...]:
+        """Release the lone requests whose wait ended by ``now`` (and by the deadline)."""
+        deadline = self.deadline
+        if deadline is None:
+            return ()
+        until = min(now, deadline)
+        gone = {r.request_id for r, release in self._lone_releases() if release <= until}
+        out = tuple(
+            NoAffinity(request_id=r.request_id) for r, _ in self.waiting if r.request_id in gone
+        )
+        self.waiting = [(r, at) for r, at in self.waiting if r.request_id not in gone]
+        if not self.waiting:
+            self.opened_at = None
+        return out
 
     def _seal(self) -> tuple[Assignment, ...]:
         batch, self.waiting, self.opened_at = self.waiting, [], None
-        return reference_assign(batch, self.replicas, self.config)
+        return reference_assign([r for r, _ in batch], self.replicas, self.config)
 
     def _check_time(self, now: float) -> None:
         if not math.isfinite(now) or now < self.now:
@@ -185,22 +232,29 @@ class ReferenceWindow:
         return cap != -1 and len(self.waiting) >= cap
 
     def arrive(self, request: RouteRequest, now: float) -> tuple[Assignment, ...]:
-        """A late arrival seals the open batch first. Then, when the batch is full: with
-        ``full_batch="no_affinity"`` (llm-d) the arrival gets NoAffinity and is not added;
-        with ``"seal_early"`` the arrival that fills the batch seals it, itself included."""
+        """Lone requests due by ``now`` are released, then a late arrival seals the open
+        batch. Then, when the batch is full: with ``full_batch="no_affinity"`` (llm-d) the
+        arrival gets NoAffinity and is not added; with ``"seal_early"`` the arrival that
+        fills the batch seals it, itself included. An id still waiting after the releases
+        and the seal is rejected."""
         self._check_time(now)
         deadline = self.deadline
         late = deadline is not None and now >= deadline
         if not late and request.request_id in self.pending:
-            raise UsageError(f"{request.request_id!r} is already waiting")
+            until = now if deadline is None else min(now, deadline)
+            due = {r.request_id for r, release in self._lone_releases() if release <= until}
+            if request.request_id not in due:
+                raise UsageError(f"{request.request_id!r} is already waiting")
+        out = self._release(now)
+        if late:
+            out += self._seal()
         self.now = now
-        out: tuple[Assignment, ...] = self._seal() if late else ()
         if self._full():
             assert self.config.full_batch == "no_affinity", "a seal_early batch is never full"
             return (*out, NoAffinity(request_id=request.request_id))
         if self.opened_at is None:
             self.opened_at = now
-        self.waiting.append(request)
+        self.waiting.append((request, now))
         if self._full() and self.config.full_batch == "seal_early":
             out += self._seal()
         return out
@@ -208,13 +262,14 @@ class ReferenceWindow:
     def tick(self, now: float) -> tuple[Assignment, ...]:
         self._check_time(now)
         self.now = now
+        out = self._release(now)
         deadline = self.deadline
-        return self._seal() if deadline is not None and now >= deadline else ()
+        return out + self._seal() if deadline is not None and now >= deadline else out
 
     def cancel(self, request_id: RequestId) -> None:
         if request_id not in self.pending:
             raise UsageError(f"{request_id!r} is not waiting")
-        self.waiting = [r for r in self.waiting if r.request_id != request_id]
+        self.waiting = [(r, at) for r, at in self.waiting if r.request_id != request_id]
         if not self.waiting:
             self.opened_at = None
 
@@ -236,6 +291,9 @@ class WindowedRouter(Protocol):
 
     @property
     def deadline(self) -> float | None: ...
+
+    @property
+    def wake_at(self) -> float | None: ...
 
     def arrive(self, request: RouteRequest, now: float) -> tuple[Assignment, ...]: ...
 
@@ -266,18 +324,21 @@ def replica_loads(max_replicas: int = 4) -> st.SearchStrategy[list[ReplicaLoad]]
     )
 
 
-def burst_configs() -> st.SearchStrategy[BurstConfig]:
-    """Small configurations that reach every branch quickly (block size 4)."""
-    return st.builds(
-        BurstConfig,
-        window_ms=st.sampled_from([10, 50, 100]),
-        max_per_replica=st.sampled_from([-1, 1, 2, 3]),
-        block_size_tokens=st.just(4),
-        max_prefix_tokens_to_match=st.sampled_from([0, 8, 12]),
-        min_colocate_blocks=st.sampled_from([0, 1, 2]),
-        max_batch_size=st.sampled_from([-1, 1, 3, 6]),
-        full_batch=st.sampled_from(["no_affinity", "seal_early"]),
-        balance_by=st.sampled_from(["requests", "tokens"]),
+@st.composite
+def burst_configs(draw: st.DrawFn) -> BurstConfig:
+    """Small configurations that reach every branch quickly (block size 4); half of them
+    with the adaptive window (``lone_wait_ms`` at most the window)."""
+    window_ms = draw(st.sampled_from([10, 50, 100]))
+    return BurstConfig(
+        window_ms=window_ms,
+        max_per_replica=draw(st.sampled_from([-1, 1, 2, 3])),
+        block_size_tokens=4,
+        max_prefix_tokens_to_match=draw(st.sampled_from([0, 8, 12])),
+        min_colocate_blocks=draw(st.sampled_from([0, 1, 2])),
+        max_batch_size=draw(st.sampled_from([-1, 1, 3, 6])),
+        full_batch=draw(st.sampled_from(["no_affinity", "seal_early"])),
+        balance_by=draw(st.sampled_from(["requests", "tokens"])),
+        lone_wait_ms=draw(st.sampled_from([None, 4, window_ms // 2, window_ms])),
     )
 
 
@@ -334,7 +395,7 @@ class BurstRouterConformance(RuleBasedStateMachine):
 
     def _both(self, call: Callable[[Any], Any]) -> Any:
         assert self.impl is not None and self.model is not None
-        before = (self.impl.pending, self.impl.deadline)
+        before = (self.impl.pending, self.impl.deadline, self.impl.wake_at)
         try:
             got = call(self.impl)
         except UsageError as exc:
@@ -342,7 +403,8 @@ class BurstRouterConformance(RuleBasedStateMachine):
             try:
                 call(self.model)
             except UsageError:
-                assert (self.impl.pending, self.impl.deadline) == before, "state changed"
+                after = (self.impl.pending, self.impl.deadline, self.impl.wake_at)
+                assert after == before, "state changed"
                 return None
             raise AssertionError(f"implementation rejected what the model accepts: {exc}") from None
         want = call(self.model)
@@ -376,16 +438,27 @@ class BurstRouterConformance(RuleBasedStateMachine):
     @precondition(lambda self: self.impl is not None and bool(self.impl.pending))
     @rule(data=st.data())
     def arrive_again(self, data: st.DataObject) -> None:
-        """A waiting id arrives again: rejected, unless the arrival seals its window first."""
+        """A waiting id arrives again: rejected, unless the arrival first releases it (its lone
+        wait ended; a cancel made it lone) or seals its window."""
         assert self.impl is not None
         rid = data.draw(st.sampled_from(sorted(self.impl.pending, key=repr)))
         self._both(
             lambda r: r.arrive(RouteRequest(request_id=rid, blocks=(), num_tokens=0), self.now)
         )
+        if rid in self.impl.pending:  # released first (adaptive window), then waiting anew
+            self.sealed.discard(rid)
 
     @rule(dt=st.sampled_from([0.0, 0.004, 0.02, 0.05, 0.1, 0.2]))
     def tick(self, dt: float) -> None:
         self.now += dt
+        self._both(lambda r: r.tick(self.now))
+
+    @precondition(lambda self: self.model is not None and self.model.wake_at is not None)
+    @rule()
+    def tick_at_wake(self) -> None:
+        """Exactly when the router said it would have something to do (a release, a seal)."""
+        assert self.model is not None and self.model.wake_at is not None
+        self.now = max(self.now, self.model.wake_at)
         self._both(lambda r: r.tick(self.now))
 
     @rule()
@@ -413,6 +486,7 @@ class BurstRouterConformance(RuleBasedStateMachine):
             return
         assert self.impl.pending == self.model.pending
         assert self.impl.deadline == self.model.deadline
+        assert self.impl.wake_at == self.model.wake_at
         check = getattr(self.impl, "check_invariants", None)
         if check is not None:
             check()

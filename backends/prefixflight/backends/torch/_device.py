@@ -1,12 +1,19 @@
-"""Device and dtype choice: CUDA when present, else CPU; fp32 on CPU, bf16 on CUDA."""
+"""Device and dtype choice: CUDA when present, else CPU; bf16 where the hardware has it.
+
+The default dtype is bf16 on CUDA and on CPUs with native bf16 arithmetic (AVX512-BF16 or
+AMX on x86: oneDNN runs bf16 matrix products there at 2-4x the fp32 rate, and the KV pool
+is half the size), fp32 on other CPUs (bf16 would be emulated there, and slower than fp32).
+"""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
 from prefixflight.core import ConfigError
 
-__all__ = ["resolve_device", "resolve_dtype"]
+__all__ = ["native_bf16", "resolve_device", "resolve_dtype"]
 
 _DTYPES = {
     "float32": torch.float32,
@@ -35,10 +42,26 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
+@functools.cache
+def native_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX) and oneDNN can use it."""
+    cpu: object = torch.cpu
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    has = any(bool(getattr(cpu, name, lambda: False)()) for name in checks)
+    mkldnn: object = torch.ops.mkldnn
+    try:
+        usable = bool(mkldnn._is_mkldnn_bf16_supported())  # type: ignore[attr-defined]
+    except (AttributeError, RuntimeError):
+        usable = False
+    return has and usable and bool(torch.backends.mkldnn.is_available())  # type: ignore[no-untyped-call]
+
+
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """``None``: fp32 on CPU (exact enough for the 1e-4 reuse guarantee), bf16 on CUDA."""
+    """``None``: bf16 on CUDA and on CPUs with native bf16 (`native_bf16`), else fp32."""
     if dtype is None:
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
+        if device.type == "cpu" and not native_bf16():
+            return torch.float32
+        return torch.bfloat16
     if isinstance(dtype, torch.dtype):
         if dtype not in _DTYPES.values():
             raise ConfigError(f"dtype must be a floating point type, got {dtype!r}")

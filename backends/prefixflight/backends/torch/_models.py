@@ -89,9 +89,10 @@ def load_smollm2(
 ) -> LoadedModel:
     """Load SmolLM2-135M-Instruct (converting the packaged GGUF once) in eval mode.
 
-    ``device`` defaults to CUDA when available, else CPU; ``dtype`` to fp32 on CPU and bf16
-    on CUDA. The converted copy lives in ``cache_dir`` (default `cache_root`), in a folder
-    named after the package version, and is reused by every later call and process.
+    ``device`` defaults to CUDA when available, else CPU; ``dtype`` to bf16 on CUDA and on
+    CPUs with native bf16 (AVX512-BF16 or AMX), else fp32. The converted copy lives in
+    ``cache_dir`` (default `cache_root`), in a folder named after the package version, and
+    is reused by every later call and process.
     """
     gguf, version = smollm2_gguf()
     dev = resolve_device(device)

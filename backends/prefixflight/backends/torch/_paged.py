@@ -1,28 +1,40 @@
-"""Paged attention over a `PagedKVPool`, registered through transformers' `AttentionInterface`.
+"""Paged attention over a `PagedKVPool`: one forward pass's rows attend over their pages.
 
-The runner's paged path runs the model without any transformers cache. Each attention layer
-receives the step's new keys and values (after rotary embedding), writes them straight into
-the pool's slots for that layer, reads every row's context plus its new tokens back from
-the pool with one ``index_select`` (or a plain slice when a row's pages are consecutive),
-and attends with transformers' own ``sdpa_attention_forward`` under the step's mask. No
-whole-context gather into a ``DynamicCache``, no ``DynamicCache`` concatenation, and no
-separate write of the new KV after the pass.
+A `PagedStep` describes one forward pass of the paged runner: the pool slot of every new
+token (flattened, row after row), each row's position and page table. Every attention layer
+calls `PagedStep.attend` with its new queries, keys and values: the keys and values of every
+row are written into the pool first (so a row may read pages another row of the same pass
+writes), then each row's queries attend over its pages. No per-row Python work in a layer:
 
-This is the index-based scheme of transformers' continuous batching (its full-attention
-cache allocator writes with ``index_copy_`` and reads with ``index_select`` per layer,
-``generation/continuous_batching/cache_allocators/full_attention.py``) and of vLLM's
-transformers backend (an attention function registered under a custom name); the layout
-here is ours: rows right-padded to the step's widest context, queries right-aligned, as
-in the gather path, so both paths attend over identical keys under identical masks.
+- one row (a prompt chunk, or a lone decode): its context is a slice of the pool when its
+  pages are consecutive, else one page-granular gather; the queries run in blocks of
+  `BLOCK` rows, each block a batched matrix product against the keys it can see (causal
+  blocks skip the keys after them), with keys and values read where they lie;
+- several rows (decodes and short chunks): one page-granular gather of every row's pages
+  into ``[kv_heads, rows, tokens, head_dim]``, and one batched matrix product over all rows
+  and KV heads, with each KV head's query heads folded into the rows of its product (no
+  repeated keys for grouped-query attention); a precomputed additive mask keeps each query
+  on its own row's keys up to its position.
 
-The registered function falls back to plain ``sdpa`` when a forward pass carries no step
-(the same model can still be used with a ``DynamicCache``), and the same name is
-registered in ``AttentionMaskInterface`` with transformers' ``sdpa_mask``, so such a pass
-gets exactly the masks ``sdpa`` would.
+Scores and probabilities are in the queries' dtype (``softmax`` accumulates in fp32), as in
+transformers' eager attention. On CPUs this runs on oneDNN's matrix products, which in bf16
+are several times faster than torch's fused CPU attention kernel at these sizes (that
+kernel computes its blocks in fp32); see docs/performance.md.
+
+The same step serves two forward implementations: the runner's fused forward
+(`_fused.FusedForward`, which passes flattened queries) and the model's own modules through
+an attention function registered with transformers' ``AttentionInterface`` (padded
+``[batch, heads, q, head_dim]`` queries, as in vLLM's transformers backend and
+transformers' continuous batching, whose allocator also writes with ``index_copy_`` and
+reads with ``index_select``). The registered function falls back to plain ``sdpa`` when a
+forward pass carries no step, and the same name is registered in ``AttentionMaskInterface``
+with transformers' ``sdpa_mask``, so such a pass gets exactly the masks ``sdpa`` would.
 """
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from typing import Any, final
 
 import torch
@@ -32,69 +44,380 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ._pool import PagedKVPool
 
-__all__ = ["ATTENTION_NAME", "STEP_KWARG", "PagedStep", "register_paged_attention"]
+__all__ = ["ATTENTION_NAME", "BLOCK", "STEP_KWARG", "PagedStep", "register_paged_attention"]
 
 ATTENTION_NAME = "prefixflight_paged"
 STEP_KWARG = "prefixflight_step"
+BLOCK = 256
+"""Query rows per block of a long chunk's causal attention (256 measured fastest at 900 and
+4,000 tokens on 2 cores: larger blocks compute more masked scores, smaller ones more calls)."""
+
+
+@final
+class _Lone:
+    """A row attended on its own: a long chunk (or the step's only row), causal blocks."""
+
+    __slots__ = ("begin", "context", "end", "pages", "span", "start")
+
+    def __init__(self, begin: int, end: int, start: int) -> None:
+        self.begin, self.end, self.start = begin, end, start
+        self.context = 0  # keys read from the pool: start + n (0: only the new ones)
+        self.span: int | None = None  # first slot of consecutive pages
+        self.pages: torch.Tensor | None = None  # else the pages to gather
+
+
+@final
+class _Batch:
+    """Rows attended together: their queries padded to ``[rows, q]`` (right-aligned), one
+    page-granular gather, one batched product, an additive mask.
+
+    The pages every row's table starts with (a shared system prompt, the prompt of a group
+    of identical requests), up to the first query of any row, are `shared`: every query
+    sees all of them, so they are read once for all rows (a slice of the pool when they are
+    consecutive, else one gather) and multiplied with all rows' queries in one product; only
+    the rest of each row's pages is gathered per row. Both parts' scores go through one
+    softmax, so the result is the same attention.
+    """
+
+    __slots__ = (
+        "allowed",
+        "bias",
+        "index",
+        "pages",
+        "q",
+        "real",
+        "rows",
+        "shared",
+        "shared_pages",
+        "shared_span",
+    )
+
+    def __init__(
+        self,
+        rows: Sequence[tuple[int, int]],
+        tables: Sequence[Sequence[int]],
+        index: torch.Tensor | None,
+        page_size: int,
+        dev: torch.device,
+    ) -> None:
+        self.rows = len(rows)
+        self.q = q = max(n for _, n in rows)
+        self.index = index  # the rows' tokens among the step's (None: all of them, in order)
+        first = tables[0]
+        shared = 0
+        if self.rows > 1:
+            limit = min(min(start for start, _ in rows) // page_size, *map(len, tables))
+            while shared < limit and all(t[shared] == first[shared] for t in tables):
+                shared += 1
+        self.shared = shared
+        self.shared_span: int | None = None
+        self.shared_pages: torch.Tensor | None = None
+        if shared:
+            if all(b == a + 1 for a, b in itertools.pairwise(first[:shared])):
+                self.shared_span = first[0] * page_size
+            else:
+                self.shared_pages = torch.tensor(first[:shared], dtype=torch.long, device=dev)
+        width = max(len(t) for t in tables) - shared
+        rest = [[*t[shared:]] + [0] * (width - len(t) + shared) for t in tables]
+        self.pages = torch.tensor(rest, dtype=torch.long).view(-1).to(dev)
+        lengths = [n for _, n in rows]
+        self.real = _real(lengths, q, dev) if any(n != q for n in lengths) else None
+        # query positions [rows, q]; a padding query gets position 0 (it sees key 0, shared
+        # or its row's first page, so no row of scores is empty; its output is dropped)
+        qpos = [[0] * (q - n) + list(range(start, start + n)) for start, n in rows]
+        keys = torch.arange(shared * page_size, (shared + width) * page_size, device=dev)
+        qp = torch.tensor(qpos, dtype=torch.long, device=dev)
+        self.allowed = keys.view(1, 1, -1) <= qp.unsqueeze(-1)  # [rows, q, W]
+        self.bias: dict[torch.dtype, torch.Tensor] = {}
+
+    def bias_of(self, dtype: torch.dtype) -> torch.Tensor:
+        """The additive mask ``[1, rows, 1, q, W]`` in ``dtype`` (0 or -inf), built once."""
+        bias = self.bias.get(dtype)
+        if bias is None:
+            bias = torch.zeros(self.allowed.shape, dtype=dtype, device=self.allowed.device)
+            bias.masked_fill_(~self.allowed, float("-inf"))
+            bias = self.bias[dtype] = bias.unsqueeze(0).unsqueeze(2)
+        return bias
+
+    def pad(self, flat: torch.Tensor) -> torch.Tensor:
+        return _pad(flat, self.rows, self.q, self.real)
+
+    def unpad(self, padded: torch.Tensor) -> torch.Tensor:
+        return _unpad(padded, self.rows, self.q, self.real)
+
+
+def _real(lengths: Sequence[int], q: int, dev: torch.device) -> torch.Tensor:
+    """Where each row's ``n`` tokens sit among ``rows * q`` padded ones (right-aligned)."""
+    flat = [t for i, n in enumerate(lengths) for t in range(i * q + q - n, (i + 1) * q)]
+    return torch.tensor(flat, dtype=torch.long, device=dev)
+
+
+def _pad(flat: torch.Tensor, rows: int, q: int, real: torch.Tensor | None) -> torch.Tensor:
+    if real is None:
+        return flat.view(rows, q, *flat.shape[1:])
+    out = flat.new_zeros((rows * q, *flat.shape[1:]))
+    return out.index_copy_(0, real, flat).view(rows, q, *flat.shape[1:])
+
+
+def _unpad(padded: torch.Tensor, rows: int, q: int, real: torch.Tensor | None) -> torch.Tensor:
+    flat = padded.reshape(rows * q, *padded.shape[2:])
+    return flat if real is None else flat.index_select(0, real)
 
 
 @final
 class PagedStep:
-    """What one forward pass's attention layers need to use the pool directly.
+    """One forward pass over rows of a `PagedKVPool` (see the module docstring).
 
-    - ``write``: the slot of each real query token, in flattened ``[batch * q]`` order of
-      the real tokens; ``real`` selects those tokens from the flattened queries (None: every
-      query is real, no padding).
-    - ``read``: ``[batch * width]`` slots each row attends over (context, then its chunk), or
-      ``span`` ``(first_slot, width)`` when one row's slots are consecutive (a slice, no
-      copy), or neither when no row has context (the new keys are all there is).
-    - ``mask``: the ``[batch, 1, q, width]`` boolean mask, or None for plain causal attention
-      (one row, keys = queries, or a single query).
+    Built from ``rows``, each ``(start, n, pages)``: a chunk of ``n`` new tokens at positions
+    ``start ..`` under the page table ``pages``; `tokens` is their total (``T``), flattened
+    in row order. Rows of ``alone`` tokens or more (and the only row of a one-row pass) are
+    attended on their own, in causal blocks; all other rows (decodes, short chunks)
+    together, padded to the longest of them.
+
+    For a forward pass over padded inputs (the model's own modules), `padded_inputs`,
+    `pad` and `unpad` convert between the flattened tokens and ``[rows, q]`` with every
+    row's chunk right-aligned (`real` selects the real tokens of the padded ``rows * q``).
     """
 
-    __slots__ = ("mask", "pool", "read", "real", "span", "width", "write")
+    __slots__ = (
+        "_lone",
+        "_masks",
+        "_together",
+        "last",
+        "pool",
+        "positions",
+        "q",
+        "real",
+        "rows",
+        "tokens",
+        "write",
+    )
 
     def __init__(
         self,
         pool: PagedKVPool,
+        rows: Sequence[tuple[int, int, Sequence[int]]],
         *,
-        write: torch.Tensor,
-        real: torch.Tensor | None,
-        read: torch.Tensor | None,
-        span: tuple[int, int] | None,
-        width: int,
-        mask: torch.Tensor | None,
+        alone: int = 64,
     ) -> None:
         self.pool = pool
-        self.write = write
-        self.real = real
-        self.read = read
-        self.span = span
-        self.width = width
-        self.mask = mask
+        dev = pool.device
+        ps = pool.page_size
+        self.rows = len(rows)
+        lengths = [n for _, n, _ in rows]
+        self.tokens = sum(lengths)
+        self.q = q = max(lengths)
+        ends = [start + n for start, n, _ in rows]
+        need = [-(-e // ps) for e in ends]
+        table = [[*pages[:k]] for (_, _, pages), k in zip(rows, need, strict=True)]
+        # plain Python for the index lists (a step has few rows; a long chunk's slots are
+        # one pass over its positions), then one tensor each
+        positions: list[int] = []
+        write: list[int] = []
+        for (start, n, _), pages in zip(rows, table, strict=True):
+            span = range(start, start + n)
+            positions.extend(span)
+            write.extend(pages[p // ps] * ps + p % ps for p in span)
+        self.positions = torch.tensor(positions, dtype=torch.long, device=dev)
+        self.write = torch.tensor(write, dtype=torch.long, device=dev)
+        offsets = [0, *itertools.accumulate(lengths)]
+        self.last = torch.tensor([o - 1 for o in offsets[1:]], dtype=torch.long, device=dev)
+        self.real: torch.Tensor | None = None
+        if any(n != q for n in lengths):
+            self.real = _real(lengths, q, dev)
+        self._masks: dict[int, torch.Tensor] = {}
+        self._lone: list[_Lone] = []
+        together: list[int] = []
+        for i, (start, n, _) in enumerate(rows):
+            if self.rows > 1 and (n < alone or n == 1):
+                together.append(i)
+                continue
+            lone = _Lone(offsets[i], offsets[i + 1], start)
+            if start:
+                lone.context = ends[i]
+                used = table[i]
+                if all(b == a + 1 for a, b in itertools.pairwise(used)):
+                    lone.span = used[0] * ps
+                else:
+                    lone.pages = torch.tensor(used, dtype=torch.long, device=dev)
+            self._lone.append(lone)
+        self._together: _Batch | None = None
+        if together:
+            index = None
+            if len(together) < self.rows:
+                picked = [t for i in together for t in range(offsets[i], offsets[i + 1])]
+                index = torch.tensor(picked, dtype=torch.long, device=dev)
+            self._together = _Batch(
+                [(rows[i][0], rows[i][1]) for i in together],
+                [table[i] for i in together],
+                index,
+                ps,
+                dev,
+            )
 
-    def update(
-        self, layer: int, key: torch.Tensor, value: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write this layer's new ``[B, H, q, D]`` keys/values, return ``[B, H, width, D]``."""
-        k_pool, v_pool = self.pool.layer_views(layer)  # [slots, H, D] each
-        batch, heads, q, dim = key.shape
-        for new, dst in ((key, k_pool), (value, v_pool)):
-            flat = new.transpose(1, 2).reshape(batch * q, heads, dim)
-            if self.real is not None:
-                flat = flat.index_select(0, self.real)
-            dst.index_copy_(0, self.write, flat.to(dst.dtype))
-        if self.span is not None:
-            first, width = self.span
-            k = k_pool[first : first + width].unsqueeze(0).transpose(1, 2)
-            v = v_pool[first : first + width].unsqueeze(0).transpose(1, 2)
-        elif self.read is not None:
-            shape = (batch, self.width, heads, dim)
-            k = k_pool.index_select(0, self.read).view(shape).transpose(1, 2)
-            v = v_pool.index_select(0, self.read).view(shape).transpose(1, 2)
+    # -- helpers for a forward pass over padded inputs ------------------------------------
+    def padded_inputs(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``ids`` and positions as ``[rows, q]`` (right-aligned, zero padding)."""
+        return self.pad(ids), self.pad(self.positions)
+
+    def pad(self, flat: torch.Tensor) -> torch.Tensor:
+        """The tokens' ``[T, ...]`` -> ``[rows, q, ...]`` (right-aligned, zero padding)."""
+        return _pad(flat, self.rows, self.q, self.real)
+
+    def unpad(self, padded: torch.Tensor) -> torch.Tensor:
+        """``[rows, q, ...]`` -> the real tokens' ``[T, ...]``."""
+        return _unpad(padded, self.rows, self.q, self.real)
+
+    # -- attention -------------------------------------------------------------------------
+    def attend(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """Write ``key``/``value`` (``[T, kv_heads, D]``) into the pool, attend ``query``
+        (``[T, heads, D]``); returns the attention output ``[T, heads, D]``."""
+        pool = self.pool
+        k_pool, v_pool = pool.layer_views(layer)  # [kv_heads, slots, D]
+        k_pool.index_copy_(1, self.write, key.transpose(0, 1).to(pool.dtype))
+        v_pool.index_copy_(1, self.write, value.transpose(0, 1).to(pool.dtype))
+        together = self._together
+        if together is not None and not self._lone:
+            return self._batched(together, query, k_pool, v_pool, scale)
+        if together is None and len(self._lone) == 1:
+            return self._alone(self._lone[0], query, key, value, k_pool, v_pool, scale)
+        out = torch.empty_like(query)
+        for lone in self._lone:
+            b, e = lone.begin, lone.end
+            out[b:e] = self._alone(lone, query[b:e], key[b:e], value[b:e], k_pool, v_pool, scale)
+        if together is not None:
+            assert together.index is not None
+            part = self._batched(
+                together, query.index_select(0, together.index), k_pool, v_pool, scale
+            )
+            out.index_copy_(0, together.index, part)
+        return out
+
+    def _alone(
+        self,
+        lone: _Lone,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        dt = query.dtype
+        if not lone.context:
+            keys, values = key.transpose(0, 1), value.transpose(0, 1)  # [kv_heads, n, D]
+        elif lone.span is not None:
+            end = lone.span + lone.context
+            keys, values = k_pool[:, lone.span : end], v_pool[:, lone.span : end]
         else:
-            return key, value
-        return k.to(key.dtype), v.to(value.dtype)
+            assert lone.pages is not None
+            keys = _gather(k_pool, lone.pages, self.pool.page_size)[:, : lone.context]
+            values = _gather(v_pool, lone.pages, self.pool.page_size)[:, : lone.context]
+        return self._causal(query, keys.to(dt), values.to(dt), lone.start, scale)
+
+    def _batched(
+        self,
+        batch: _Batch,
+        query: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """Several rows: ``[kv_heads, rows, W, D]`` from their pages, one product over all
+        rows, each KV head's query heads folded into its rows (the shared pages: one
+        product over all rows' queries)."""
+        _, heads, dim = query.shape
+        kv_heads = k_pool.shape[0]
+        group = heads // kv_heads
+        rows, q = batch.rows, batch.q
+        dt = query.dtype
+        ps = self.pool.page_size
+        width = batch.allowed.shape[-1]
+        keys = _gather(k_pool, batch.pages, ps).view(kv_heads * rows, width, dim).to(dt)
+        values = _gather(v_pool, batch.pages, ps).view(kv_heads * rows, width, dim).to(dt)
+        qp = batch.pad(query * scale if scale != 1.0 else query)  # [rows, q, heads, D]
+        qg = qp.view(rows, q, kv_heads, group, dim).permute(2, 0, 3, 1, 4)
+        qg = qg.reshape(kv_heads, rows * group * q, dim)  # [kv_heads, rows * group * q, D]
+        own = torch.bmm(qg.view(kv_heads * rows, group * q, dim), keys.transpose(1, 2))
+        own.view(kv_heads, rows, group, q, width).add_(batch.bias_of(dt))
+        if not batch.shared:
+            probs = torch.softmax(own, dim=-1)
+            out = torch.bmm(probs, values).view(kv_heads, rows, group, q, dim)
+            return batch.unpad(out.permute(1, 3, 0, 2, 4).reshape(rows, q, heads, dim))
+        wide = batch.shared * ps
+        if batch.shared_span is not None:
+            first = batch.shared_span
+            s_keys, s_values = k_pool[:, first : first + wide], v_pool[:, first : first + wide]
+        else:
+            assert batch.shared_pages is not None
+            s_keys = _gather(k_pool, batch.shared_pages, ps)
+            s_values = _gather(v_pool, batch.shared_pages, ps)
+        s_keys, s_values = s_keys.to(dt), s_values.to(dt)
+        scores = torch.cat(
+            (
+                torch.bmm(qg, s_keys.transpose(1, 2)).view(kv_heads, rows * group * q, wide),
+                own.view(kv_heads, rows * group * q, width),
+            ),
+            dim=-1,
+        )
+        probs = torch.softmax(scores, dim=-1)
+        out = torch.bmm(probs[..., :wide], s_values).view(kv_heads * rows, group * q, dim)
+        out.baddbmm_(probs[..., wide:].reshape(kv_heads * rows, group * q, width), values)
+        out = out.view(kv_heads, rows, group, q, dim)
+        return batch.unpad(out.permute(1, 3, 0, 2, 4).reshape(rows, q, heads, dim))
+
+    def _causal(
+        self,
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        start: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """One row: ``query [n, heads, D]`` at positions ``start ..`` over ``keys`` and
+        ``values [kv_heads, start + n, D]``; causal, in blocks of `BLOCK` query rows."""
+        n, heads, dim = query.shape
+        kv_heads = keys.shape[0]
+        group = heads // kv_heads
+        qs = (query * scale if scale != 1.0 else query).reshape(n, kv_heads, group, dim)
+        if n == 1:  # a decode: every key is visible
+            qb = qs.reshape(kv_heads, group, dim)
+            probs = torch.softmax(torch.bmm(qb, keys.transpose(1, 2)), dim=-1)
+            return torch.bmm(probs, values).view(1, heads, dim)
+        out = query.new_empty((n, kv_heads, group, dim))
+        for s0 in range(0, n, BLOCK):
+            e = min(n, s0 + BLOCK)
+            c, kw = e - s0, start + e
+            qb = qs[s0:e].permute(1, 2, 0, 3).reshape(kv_heads, group * c, dim)
+            scores = torch.bmm(qb, keys[:, :kw].transpose(1, 2))  # [kv_heads, group * c, kw]
+            # the block's own keys are the last c columns: query i sees the first i + 1
+            own = scores.view(kv_heads, group, c, kw)[..., kw - c :]
+            own.masked_fill_(self._upper(c, query.device), float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+            block = torch.bmm(probs, values[:, :kw]).view(kv_heads, group, c, dim)
+            out[s0:e] = block.permute(2, 0, 1, 3)
+        return out.view(n, heads, dim)
+
+    def _upper(self, c: int, dev: torch.device) -> torch.Tensor:
+        """``[c, c]`` strictly upper triangle (True = masked), built once per size."""
+        mask = self._masks.get(c)
+        if mask is None:
+            mask = self._masks[c] = torch.ones((c, c), dtype=torch.bool, device=dev).triu(1)
+        return mask
+
+
+def _gather(pool_view: torch.Tensor, pages: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Whole pages of one layer's ``[kv_heads, slots, D]``: ``[kv_heads, pages * size, D]``."""
+    kv_heads, slots, dim = pool_view.shape
+    paged = pool_view.view(kv_heads, slots // page_size, page_size, dim)
+    return paged.index_select(1, pages).view(kv_heads, -1, dim)
 
 
 def paged_attention_forward(
@@ -113,9 +436,12 @@ def paged_attention_forward(
         )
         return out
     assert isinstance(step, PagedStep)
-    key, value = step.update(module.layer_idx, key, value)
-    out = sdpa_attention_forward(module, query, key, value, step.mask, **kwargs)
-    return out
+    # [rows, heads, q, D] padded -> the real tokens' [T, heads, D], and back
+    q, k, v = (step.unpad(x.transpose(1, 2)) for x in (query, key, value))
+    scale = kwargs.get("scaling")
+    if scale is None:
+        scale = query.shape[-1] ** -0.5
+    return step.pad(step.attend(module.layer_idx, q, k, v, float(scale))), None
 
 
 _registered = False

@@ -4,9 +4,13 @@ The pool only stores and gathers. Which page holds which tokens is decided by th
 (`PrefixCache` pages, `StepPlan` page tables); a page table maps a request's position ``p``
 to slot ``pages[p // page_size] * page_size + p % page_size``.
 
-Layout: ``[layers, 2, num_pages * page_size, kv_heads, head_dim]`` (2 = keys, values), so
-writing a request's new tokens into their pages and gathering a request's context are one
-``index_copy_`` and one ``index_select`` over all layers at once.
+Layout: ``[layers, 2, kv_heads, num_pages * page_size, head_dim]`` (2 = keys, values),
+head-major like vLLM's CPU cache: within one layer and head a page is one contiguous run of
+``page_size * head_dim`` values, so the paged attention gathers whole pages (one index per
+page, not per token) into ``[kv_heads, rows, tokens, head_dim]``, the layout its batched
+matrix products read without another copy. Writing a request's new tokens into their pages
+and gathering a request's context are still one ``index_copy_`` and one ``index_select``
+over all layers at once.
 """
 
 from __future__ import annotations
@@ -28,8 +32,8 @@ __all__ = ["PagedKVPool"]
 class PagedKVPool:
     """Preallocated KV storage for ``num_pages`` pages of ``page_size`` tokens.
 
-    ``device`` defaults to CUDA when available, else CPU; ``dtype`` to fp32 on CPU and
-    bf16 on CUDA.
+    ``device`` defaults to CUDA when available, else CPU; ``dtype`` to bf16 on CUDA and on
+    CPUs with native bf16, else fp32.
     """
 
     __slots__ = (
@@ -63,7 +67,7 @@ class PagedKVPool:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.version = 0  # bumped by every write and copy: cached gathers compare it
-        shape = (num_layers, 2, num_pages * page_size, num_kv_heads, head_dim)
+        shape = (num_layers, 2, num_kv_heads, num_pages * page_size, head_dim)
         try:
             self._kv = torch.zeros(shape, dtype=self.dtype, device=self.device)
         except (RuntimeError, MemoryError) as exc:  # torch raises RuntimeError (or OOM error)
@@ -135,18 +139,20 @@ class PagedKVPool:
     def write(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
         """Store ``kv`` (``[layers, 2, n, kv_heads, head_dim]``) into ``slots`` (``n``)."""
         self.version += 1
-        self._kv.index_copy_(2, slots, kv.to(self.dtype))
+        self._kv.index_copy_(3, slots, kv.transpose(2, 3).to(self.dtype))
 
     def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy the KV in slots ``src`` to slots ``dst`` (same length, disjoint)."""
         self.version += 1
-        self._kv.index_copy_(2, dst, self._kv.index_select(2, src))
+        self._kv.index_copy_(3, dst, self._kv.index_select(3, src))
 
     def layer_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Live ``[slots, kv_heads, head_dim]`` views of one layer's keys and values.
+        """Live ``[kv_heads, slots, head_dim]`` views of one layer's keys and values.
 
         For the paged attention path, which writes and reads them inside the model's
-        attention; whoever writes through them calls `mark_written`.
+        attention; whoever writes through them calls `mark_written`. A page ``p`` is slots
+        ``[p * page_size, (p + 1) * page_size)``: ``view(kv_heads, num_pages, page_size,
+        head_dim)`` addresses whole pages.
         """
         return self._kv[layer, 0], self._kv[layer, 1]
 
@@ -155,13 +161,17 @@ class PagedKVPool:
         self.version += 1
 
     def gather(self, slots: torch.Tensor) -> torch.Tensor:
-        """``[layers, 2, n, kv_heads, head_dim]`` for ``slots`` (a 1-D index tensor)."""
-        return self._kv.index_select(2, slots)
+        """``[layers, 2, n, kv_heads, head_dim]`` for ``slots`` (a 1-D index tensor).
+
+        A view of one head-major gather (`index_select`): splitting ``n`` (e.g. into rows
+        and columns) stays a view.
+        """
+        return self._kv.index_select(3, slots).transpose(2, 3)
 
     def page_tensor(self, page: int) -> torch.Tensor:
         """A copy of one page's KV, ``[layers, 2, page_size, kv_heads, head_dim]`` (for tests)."""
         s = page * self.page_size
-        return self._kv[:, :, s : s + self.page_size].clone()
+        return self._kv[:, :, :, s : s + self.page_size].transpose(2, 3).clone()
 
 
 def _bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:

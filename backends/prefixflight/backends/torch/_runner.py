@@ -2,9 +2,11 @@
 
 Two attention paths, selected by ``TransformersRunner(..., attention=)``:
 
-``"paged"`` (default): the model runs without a transformers cache; an attention function
-registered through transformers' ``AttentionInterface`` (`._paged`) writes each layer's new
-keys and values into the pool and attends over the rows' pages directly.
+``"paged"`` (default): no transformers cache; each attention layer writes the rows' new
+keys and values into the pool and attends over the rows' pages directly (`._paged`). For
+Llama-family models the runner's own forward pass runs the model's weights with fused
+projections (`._fused`); other models run their own modules, with the paged attention
+registered through transformers' ``AttentionInterface``.
 
 ``"gather"`` (the reference): prefill: the reused pages ``[0, start)`` are gathered into a
 transformers ``DynamicCache``, the chunk ``token_ids`` runs on top of it, and the chunk's
@@ -21,7 +23,6 @@ gathered prefix is exactly what a full prefill would hold.
 
 from __future__ import annotations
 
-import itertools
 from typing import Any, NamedTuple, final
 
 import torch
@@ -38,6 +39,7 @@ from prefixflight.core import (
 )
 from prefixflight.core._validate import check_int
 
+from ._fused import FusedForward, unsupported
 from ._paged import STEP_KWARG, PagedStep, register_paged_attention
 from ._pool import PagedKVPool
 from ._sampling import Sampler, SamplingParams
@@ -61,15 +63,23 @@ class TransformersRunner:
     settings. `deduplicated_rows` counts them (`deduplicated_tokens`: their tokens).
 
     Same-step sharing: a prefill whose `PrefillWork.reads_from` names other rows of the step
-    attends over pages those rows write in that step, so it runs in a later forward pass than
-    every one of them (both attention paths read the pool at the start of a pass or of a
-    layer), and a row another row reads from is never deduplicated away.
+    attends over pages those rows write in that step. The fused forward runs the whole step
+    in one pass, whose every layer writes all rows' keys and values before any row attends;
+    otherwise such a row runs in a later forward pass than every one of them (the gather
+    path reads the pool at the start of a pass). A row another row reads from is never
+    deduplicated away.
 
-    Attention: ``attention="paged"`` (default) attends over the pool's pages inside the
-    model (an ``AttentionInterface`` function; the model's attention implementation is set
-    to it, which behaves exactly like ``sdpa`` for any forward pass not made by a paged
-    runner); ``attention="gather"`` gathers each row's context into a ``DynamicCache``
-    first. Both give the same logits (tested within 1e-4) and the same greedy tokens.
+    Attention: ``attention="paged"`` (default) attends over the pool's pages directly;
+    ``attention="gather"`` gathers each row's context into a ``DynamicCache`` first. Both
+    give the same greedy tokens and, in fp32, the same logits (tested within 1e-4).
+
+    Forward pass (paged only): with ``fused`` (default) a Llama or Qwen2 model runs
+    through the runner's fused forward (`fused` is True then: one matrix product for the
+    query, key and value projections and one for the MLP's gate and up projections, weights
+    prepacked for oneDNN on a CPU; the weights are copied when the runner is built). Other
+    models, or ``fused=False``, run the model's own modules, whose attention implementation
+    is set to the paged attention function (which behaves exactly like ``sdpa`` for any
+    forward pass not made by a paged runner).
 
     Decode reuse (gather path only): with ``reuse_decode`` (default), a forward pass of
     single-token rows that all continue from the same position keeps its transformers cache;
@@ -84,6 +94,7 @@ class TransformersRunner:
     __slots__ = (
         "_config",
         "_exact",
+        "_fused",
         "_kept",
         "_samplers",
         "_vocab",
@@ -108,6 +119,7 @@ class TransformersRunner:
         deduplicate: bool = True,
         reuse_decode: bool = True,
         attention: str = "paged",
+        fused: bool = True,
     ) -> None:
         if attention not in ("paged", "gather"):
             raise ConfigError(f"attention must be 'paged' or 'gather', got {attention!r}")
@@ -142,8 +154,17 @@ class TransformersRunner:
         self._exact = param.dtype == pool.dtype  # cached KV equals what the pool stores
         self._kept: _Kept | None = None
         self.attention = attention
+        self._fused: FusedForward | None = None
         if attention == "paged":
-            model.set_attn_implementation(register_paged_attention())
+            if fused and unsupported(model) is None:
+                self._fused = FusedForward(model)
+            else:
+                model.set_attn_implementation(register_paged_attention())
+
+    @property
+    def fused(self) -> bool:
+        """Whether paged passes run the runner's fused forward (else the model's modules)."""
+        return self._fused is not None
 
     @property
     def vocab_size(self) -> int:
@@ -163,8 +184,15 @@ class TransformersRunner:
         deduplicate: bool = True,
         reuse_decode: bool = True,
         attention: str = "paged",
+        fused: bool = True,
     ) -> TransformersRunner:
-        """Move ``model`` to ``device``/``dtype`` (auto: CUDA if present) and give it a pool."""
+        """Move ``model`` to ``device``/``dtype`` and give it a pool.
+
+        ``device`` None: CUDA if present, else CPU. ``dtype`` None: the model's own dtype
+        (`load_smollm2` loads bf16 where the hardware has it).
+        """
+        if dtype is None:
+            dtype = next(model.parameters()).dtype
         pool = PagedKVPool.for_model(
             model.config, num_pages=num_pages, page_size=page_size, device=device, dtype=dtype
         )
@@ -176,6 +204,7 @@ class TransformersRunner:
             deduplicate=deduplicate,
             reuse_decode=reuse_decode,
             attention=attention,
+            fused=fused,
         )
 
     # -- per-request sampling state -------------------------------------------------------
@@ -205,10 +234,16 @@ class TransformersRunner:
         logits: dict[RequestId, torch.Tensor] = {}
         with torch.inference_mode():
             forward = self._forward_paged if self.attention == "paged" else self._forward
-            for level in _levels(unique):
-                for group in _batches(level, self.long_chunk):
-                    for row, out in zip(group, forward(group), strict=True):
-                        computed[row.request_id] = out
+            if self._fused is not None:
+                # one pass for the whole step (flattened tokens, nothing padded but the short
+                # rows' attention; each layer writes every row before any row reads, so a
+                # same-step reader shares the pass with the rows it reads from)
+                groups = [unique] if unique else []
+            else:  # the model's modules pad every row; readers after their writers
+                groups = [g for level in _levels(unique) for g in _batches(level, self.long_chunk)]
+            for group in groups:
+                for row, out in zip(group, forward(group), strict=True):
+                    computed[row.request_id] = out
             pool = self.pool
             for row, same in copies:
                 end = row.start + len(row.tokens)
@@ -218,13 +253,19 @@ class TransformersRunner:
                 computed[row.request_id] = computed[same.request_id]
             self.deduplicated_rows += len(copies)
             self.deduplicated_tokens += sum(len(row.tokens) for row, _ in copies)
-            sampled = []
-            for row in rows:
-                if row.sample:
-                    out = logits[row.request_id] = computed[row.request_id]
-                    sampler = self._samplers.get(row.request_id)
-                    tok = sampler.sample(out) if sampler is not None else int(out.argmax().item())
-                    sampled.append((row.request_id, tok))
+            picked = [row.request_id for row in rows if row.sample]
+            for rid in picked:
+                logits[rid] = computed[rid]
+            # greedy rows: one argmax over all of them
+            greedy = [rid for rid in picked if rid not in self._samplers]
+            best: dict[RequestId, int] = {}
+            if greedy:
+                top = torch.stack([logits[rid] for rid in greedy]).argmax(dim=-1).tolist()
+                best = dict(zip(greedy, top, strict=True))
+            sampled = [
+                (rid, best[rid] if rid in best else self._samplers[rid].sample(logits[rid]))
+                for rid in picked
+            ]
         self.last_logits = logits
         return StepResult(step=plan.step, sampled=tuple(sampled))
 
@@ -349,69 +390,27 @@ class TransformersRunner:
         logits: torch.Tensor = out.logits[:, -1]
         return logits
 
-
     def _forward_paged(self, group: list[_Row]) -> torch.Tensor:
         """One forward pass over ``group`` attending over the pool's pages directly.
 
-        The same layout as `_forward` (context right-padded to ``width``, chunks
-        right-aligned in ``q`` columns, the same mask), but the keys and values are read
-        from and written to the pool inside each attention layer (`PagedStep`).
+        Each attention layer writes the rows' new keys and values into their pages and
+        attends over the pages (`PagedStep`); the fused forward runs on the flattened tokens,
+        the model's own modules on the same tokens padded as in `_forward`.
         """
         pool = self.pool
-        dev = pool.device
-        batch = len(group)
-        width = max(r.start for r in group)
-        q = max(len(r.tokens) for r in group)
-        ps = pool.page_size
-        write = torch.cat([pool.slots(r.pages, r.start, r.start + len(r.tokens)) for r in group])
-        real: torch.Tensor | None = None
-        read: torch.Tensor | None = None
-        span: tuple[int, int] | None = None
-        mask: torch.Tensor | None = None
-        if batch == 1:
-            r = group[0]
-            n = len(r.tokens)
-            ids = torch.tensor([r.tokens], dtype=torch.long, device=dev)
-            pos = torch.arange(r.start, r.start + n, device=dev).unsqueeze(0)
-            if r.start:
-                pages = r.pages[: -(-(r.start + n) // ps)]
-                if all(b == a + 1 for a, b in itertools.pairwise(pages)):
-                    span = (pages[0] * ps, r.start + n)
-                else:
-                    read = pool.slots(r.pages, 0, r.start + n)
-                if n > 1:
-                    mask = torch.ones((n, r.start + n), dtype=torch.bool, device=dev)
-                    mask[:, r.start :] = mask[:, r.start :].tril()
-                    mask = mask.view(1, 1, n, r.start + n)
-        else:
-            ids, pos, mask = _padded_inputs(group, width, q, dev)
-            flat: list[int] = []
-            for i, r in enumerate(group):
-                flat.extend(range(i * q + q - len(r.tokens), (i + 1) * q))
-            if len(flat) < batch * q:
-                real = torch.tensor(flat, dtype=torch.long, device=dev)
-            if width:
-                idx = torch.zeros((batch, width + q), dtype=torch.long, device=dev)
-                for i, r in enumerate(group):
-                    n = len(r.tokens)
-                    if r.start:
-                        idx[i, : r.start] = pool.slots(r.pages, 0, r.start)
-                    idx[i, width + q - n :] = pool.slots(r.pages, r.start, r.start + n)
-                read = idx.view(-1)
         step = PagedStep(
-            pool,
-            write=write,
-            real=real,
-            read=read,
-            span=span,
-            width=width + q,
-            mask=mask,
+            pool, [(r.start, len(r.tokens), r.pages) for r in group], alone=self.long_chunk
+        )
+        ids = torch.tensor(
+            [t for r in group for t in r.tokens], dtype=torch.long, device=pool.device
         )
         pool.mark_written()
+        if self._fused is not None:
+            return self._fused(ids, step)
+        padded_ids, positions = step.padded_inputs(ids)
         out = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=pos,
+            input_ids=padded_ids,
+            position_ids=positions,
             use_cache=False,
             logits_to_keep=1,
             **{STEP_KWARG: step},

@@ -23,7 +23,7 @@ import hashlib
 import sys
 from array import array
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import ClassVar, Final, TypeAlias, final
 
 import attrs
@@ -31,6 +31,7 @@ import attrs
 from .._errors import ConfigError, UsageError
 from .._validate import (
     assert_never,
+    check_block_hashes,
     check_instance,
     check_int,
     check_time,
@@ -91,20 +92,6 @@ class ReleaseReason(enum.Enum):
     """The follower waited longer than ``max_wait``: it computes on its own."""
 
 
-def _blocks(value: Iterable[BlockHash]) -> tuple[BlockHash, ...]:
-    """Arrived.blocks as a tuple of hashable block hashes (materialised once)."""
-    if isinstance(value, (str, bytes)):
-        raise UsageError(f"blocks must be a sequence of block hashes, got {value!r}")
-    try:
-        out = tuple(value)
-        hash(out)  # one C-level pass: every block hash must be hashable
-    except TypeError:
-        raise UsageError(
-            f"blocks must be a sequence of hashable block hashes, got {value!r}"
-        ) from None
-    return out
-
-
 @final
 @attrs.frozen
 class FlightKey:
@@ -145,7 +132,7 @@ class Arrived:
     request_id: RequestId = attrs.field(validator=request_id_field())
     key: FlightKey = attrs.field(validator=instance_field(FlightKey, error=UsageError))
     now: float = attrs.field(validator=time_field())
-    blocks: tuple[BlockHash, ...] = attrs.field(default=(), converter=_blocks)
+    blocks: tuple[BlockHash, ...] = attrs.field(default=(), converter=check_block_hashes)
 
 
 @final

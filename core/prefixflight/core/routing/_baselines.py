@@ -239,7 +239,7 @@ class BurstAffinityRouter:
         return self._resolve(sealed, now, reps)
 
     def next_deadline(self) -> float | None:
-        return self._burst.deadline
+        return self._burst.wake_at
 
     def record(self, request: RouteRequest, replica: str, now: float) -> None:
         self._fallback.record(request, replica, now)

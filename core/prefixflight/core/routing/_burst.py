@@ -29,10 +29,19 @@ opens a new window.
 Deviation from llm-d: `BurstRouter.cancel` removes the request from the open batch (it no
 longer counts toward ``max_batch_size`` or the joint placement, and an emptied window
 closes); llm-d leaves a cancelled request's entry in its batch until the timer seals it.
+
+The adaptive window (``lone_wait_ms``, a prefixflight extension, off by default): a request
+that shares its prefix with nothing else in the window is released after ``lone_wait_ms``
+instead of waiting for the seal, answered `NoAffinity` (what the seal would answer if nothing
+sharing arrived meanwhile). A request that shares its prefix with another waits for the seal
+as before. The burst's samples arrive within milliseconds of each other, so the first one is
+no longer alone by the time its short wait ends; a request nobody shares with stops paying the
+whole window.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from typing import Literal, TypeAlias, final
 
@@ -81,6 +90,11 @@ class BurstConfig:
       its deadline. ``"seal_early"`` (a prefixflight extension, not in llm-d): the arrival
       that fills the batch seals it at once, itself included.
     - ``balance_by``: ``"requests"`` or ``"tokens"`` (uncached prefix tokens).
+    - ``lone_wait_ms``: the adaptive window (a prefixflight extension, not in llm-d). ``None``
+      (the default, llm-d's behaviour): every request waits for the seal. An int in
+      ``1..window_ms``: a request that shares its prefix (an identical key, or at least
+      ``min_colocate_blocks`` leading blocks when that is set) with no other waiting request
+      is released `NoAffinity` once it has waited that long.
     """
 
     window_ms: int = 100
@@ -91,6 +105,7 @@ class BurstConfig:
     max_batch_size: int = 1000
     full_batch: FullBatch = "no_affinity"
     balance_by: BalanceBy = "requests"
+    lone_wait_ms: int | None = None
 
     def __attrs_post_init__(self) -> None:
         w = check_int("window_ms", self.window_ms)
@@ -111,6 +126,12 @@ class BurstConfig:
             raise ConfigError(f"max_batch_size must be -1 (unlimited) or >= 1, got {b!r}")
         check_choice("full_batch", self.full_batch, ("no_affinity", "seal_early"))
         check_choice("balance_by", self.balance_by, ("requests", "tokens"))
+        if self.lone_wait_ms is not None:
+            lw = check_int("lone_wait_ms", self.lone_wait_ms)
+            if not 1 <= lw <= w:
+                raise ConfigError(
+                    f"lone_wait_ms must be None or in 1..window_ms ({w}), got {lw!r}"
+                )
 
     @property
     def max_prefix_blocks(self) -> int:
@@ -122,6 +143,10 @@ class BurstConfig:
     @property
     def window_s(self) -> float:
         return self.window_ms / 1000.0
+
+    @property
+    def lone_wait_s(self) -> float | None:
+        return None if self.lone_wait_ms is None else self.lone_wait_ms / 1000.0
 
 
 @final
@@ -346,9 +371,26 @@ class BurstRouter:
     ``replicas`` are the candidate replicas with their loads; refresh them with
     `update_replicas`. Time is ``now`` in seconds, never read from a clock, and may not go
     backwards. A rejected call raises `UsageError` and changes nothing.
+
+    With ``lone_wait_ms`` (the adaptive window), every call first releases the requests that
+    have waited that long sharing their prefix with no other waiting request (in arrival
+    order, as `NoAffinity`), up to the window's deadline; `wake_at` says when the next one is
+    due.
     """
 
-    __slots__ = ("_config", "_deadline", "_hasher", "_now", "_pending", "_replicas")
+    __slots__ = (
+        "_by_key",
+        "_by_sig",
+        "_config",
+        "_deadline",
+        "_hasher",
+        "_lone",
+        "_now",
+        "_pending",
+        "_releases",
+        "_replicas",
+        "_seq",
+    )
 
     def __init__(
         self,
@@ -369,6 +411,14 @@ class BurstRouter:
         self._pending: dict[RequestId, RouteRequest] = {}
         self._deadline: float | None = None
         self._now = float("-inf")
+        # the adaptive window's bookkeeping (empty unless lone_wait_ms is set): each waiting
+        # request's (release time, arrival number); the waiting ids per key and per leading
+        # min_colocate_blocks; a heap of (release time, arrival number, id), checked lazily
+        self._releases: dict[RequestId, tuple[float, int]] = {}
+        self._by_key: dict[tuple[BlockHash, ...], dict[RequestId, None]] = {}
+        self._by_sig: dict[tuple[BlockHash, ...], dict[RequestId, None]] = {}
+        self._lone: list[tuple[float, int, RequestId]] = []
+        self._seq = 0
 
     # -- views --------------------------------------------------------------------------------
     @property
@@ -383,6 +433,15 @@ class BurstRouter:
     def deadline(self) -> float | None:
         """When the open window seals; ``None`` when no window is open."""
         return self._deadline
+
+    @property
+    def wake_at(self) -> float | None:
+        """When a `tick` next has something to do: the deadline, or earlier the release of a
+        lone request (adaptive window); ``None`` when nothing waits."""
+        if self._deadline is None:
+            return None
+        top = self._next_lone()
+        return self._deadline if top is None else min(self._deadline, top[0])
 
     @property
     def pending(self) -> tuple[RequestId, ...]:
@@ -412,54 +471,61 @@ class BurstRouter:
     def arrive(self, request: RouteRequest, now: float) -> tuple[Assignment, ...]:
         """Add a request to the window (opening one if none is open).
 
-        An arrival at or past the deadline first seals the open batch (returned) and opens a
-        new window. When the batch already holds ``max_batch_size`` requests, the arrival is
-        answered `NoAffinity` at once and not added (``full_batch="no_affinity"``, as
-        llm-d); with ``full_batch="seal_early"`` the arrival that fills the batch seals it,
-        itself included.
+        Lone requests due by ``now`` are released first (adaptive window). An arrival at or
+        past the deadline then seals the open batch (returned) and opens a new window. When
+        the batch already holds ``max_batch_size`` requests, the arrival is answered
+        `NoAffinity` at once and not added (``full_batch="no_affinity"``, as llm-d); with
+        ``full_batch="seal_early"`` the arrival that fills the batch seals it, itself
+        included. An id may arrive again only once it no longer waits (sealed, released).
         """
         t = check_time("now", now, after=self._now)
         check_instance("request", request, RouteRequest, error=UsageError)
         rid = request.request_id
-        sealed: tuple[Assignment, ...] = ()
         late = self._deadline is not None and t >= self._deadline
-        if rid in self._pending and not late:
+        if rid in self._pending and not late and not self._due(rid, t):
             raise UsageError(f"request {rid!r} is already waiting in the window")
+        out = self._release_due(t)
         if late:
-            sealed = self._seal()  # computed before it clears the window
+            out += self._seal()
         self._now = t
         limit = self._config.max_batch_size
         if limit != UNLIMITED and len(self._pending) >= limit:  # only with "no_affinity"
-            return (*sealed, NoAffinity(request_id=rid))  # batch full: the fallback decides
+            return (*out, NoAffinity(request_id=rid))  # batch full: the fallback decides
         if self._deadline is None:
             self._deadline = t + self._config.window_s
         self._pending[rid] = request
+        wait = self._config.lone_wait_s
+        if wait is not None:
+            self._index(rid, request, t + wait)
         if (
             limit != UNLIMITED
             and len(self._pending) >= limit
             and self._config.full_batch == "seal_early"
         ):
-            sealed += self._seal()
-        return sealed
+            out += self._seal()
+        return out
 
     def tick(self, now: float) -> tuple[Assignment, ...]:
-        """Time passed: seal the open batch if ``now`` is at or past its deadline."""
+        """Time passed: release the lone requests due (adaptive window), then seal the open
+        batch if ``now`` is at or past its deadline."""
         t = check_time("now", now, after=self._now)
-        sealed = self._seal() if self._deadline is not None and t >= self._deadline else ()
+        out = self._release_due(t)
+        if self._deadline is not None and t >= self._deadline:
+            out += self._seal()
         self._now = t
-        return sealed
+        return out
 
     def cancel(self, request_id: RequestId) -> None:
         """Drop a waiting request from the open batch; the window closes if it empties.
 
         (llm-d keeps a cancelled request's entry in its batch, where it still counts toward
-        ``max_batch_size`` and the joint placement; here it is gone at once.)
+        ``max_batch_size`` and the joint placement; here it is gone at once.) A request that
+        shared its prefix only with the cancelled one turns lone; if its wait is over, the next
+        `tick` or `arrive` releases it.
         """
         if request_id not in self._pending:
             raise UsageError(f"request {request_id!r} is not waiting in the window")
-        del self._pending[request_id]
-        if not self._pending:
-            self._deadline = None
+        self._drop(request_id)
 
     def check_invariants(self) -> None:
         assert (self._deadline is None) == (not self._pending), "window open iff requests wait"
@@ -471,10 +537,102 @@ class BurstRouter:
                 assert len(self._pending) < limit, "a full batch was not sealed"
             else:
                 assert len(self._pending) <= limit, "a batch took more than max_batch_size"
+        if self._config.lone_wait_ms is None:
+            assert not self._releases and not self._lone, "no adaptive window, no bookkeeping"
+            return
+        assert self._releases.keys() == self._pending.keys(), "every waiting request indexed"
+        assert sum(map(len, self._by_key.values())) == len(self._pending)
+        queued = set(self._lone)
+        for rid, (release, seq) in self._releases.items():
+            if self._is_lone(rid):
+                assert (release, seq, rid) in queued, f"lone {rid!r} is not queued for release"
 
     # -- internals ----------------------------------------------------------------------------
     def _seal(self) -> tuple[Assignment, ...]:
         out = assign_batch(tuple(self._pending.values()), self._replicas, self._config)
         self._pending = {}  # only once the assignment exists: a failure loses nothing
         self._deadline = None
+        self._releases.clear()
+        self._by_key.clear()
+        self._by_sig.clear()
+        self._lone.clear()
         return out
+
+    def _key(self, request: RouteRequest) -> tuple[BlockHash, ...]:
+        return request.blocks[: self._config.max_prefix_blocks]
+
+    def _sig(self, key: tuple[BlockHash, ...]) -> tuple[BlockHash, ...] | None:
+        """The leading ``min_colocate_blocks`` of a key that is long enough, else ``None``."""
+        m = self._config.min_colocate_blocks
+        return key[:m] if m > 0 and len(key) >= m else None
+
+    def _index(self, rid: RequestId, request: RouteRequest, release: float) -> None:
+        self._seq += 1
+        self._releases[rid] = (release, self._seq)
+        key = self._key(request)
+        self._by_key.setdefault(key, {})[rid] = None
+        sig = self._sig(key)
+        if sig is not None:
+            self._by_sig.setdefault(sig, {})[rid] = None
+        heapq.heappush(self._lone, (release, self._seq, rid))
+
+    def _is_lone(self, rid: RequestId) -> bool:
+        """Nothing else waiting shares this request's prefix (the seal would not place it)."""
+        key = self._key(self._pending[rid])
+        if not key:
+            return True
+        if len(self._by_key[key]) >= 2:
+            return False
+        sig = self._sig(key)
+        return sig is None or len(self._by_sig[sig]) < 2
+
+    def _due(self, rid: RequestId, t: float) -> bool:
+        """Would a call at ``t`` release ``rid``?"""
+        entry = self._releases.get(rid)
+        if entry is None or self._deadline is None:
+            return False
+        return entry[0] <= min(t, self._deadline) and self._is_lone(rid)
+
+    def _next_lone(self) -> tuple[float, int, RequestId] | None:
+        """The lone request released next (stale heap entries are dropped on the way)."""
+        heap = self._lone
+        while heap:
+            _, seq, rid = heap[0]
+            entry = self._releases.get(rid)
+            if entry is not None and entry[1] == seq and self._is_lone(rid):
+                return heap[0]
+            heapq.heappop(heap)  # gone, or shares now (pushed again if it turns lone)
+        return None
+
+    def _release_due(self, t: float) -> tuple[Assignment, ...]:
+        if self._deadline is None or not self._lone:
+            return ()
+        until = min(t, self._deadline)
+        out: list[Assignment] = []
+        while (top := self._next_lone()) is not None and top[0] <= until:
+            self._drop(top[2])
+            out.append(NoAffinity(request_id=top[2]))
+        return tuple(out)
+
+    def _drop(self, rid: RequestId) -> None:
+        """Remove a waiting request; a request it shared with may turn lone."""
+        request = self._pending.pop(rid)
+        if not self._pending:
+            self._deadline = None
+        if self._releases.pop(rid, None) is None:
+            return
+        key = self._key(request)
+        left: list[RequestId] = []
+        for groups, g in ((self._by_key, key), (self._by_sig, self._sig(key))):
+            if g is None:
+                continue
+            members = groups[g]
+            del members[rid]
+            if not members:
+                del groups[g]
+            elif len(members) == 1:  # the one left may share with nobody now
+                left.extend(members)
+        for other in left:
+            if self._is_lone(other):
+                release, seq = self._releases[other]
+                heapq.heappush(self._lone, (release, seq, other))

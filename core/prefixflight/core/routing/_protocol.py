@@ -9,7 +9,7 @@ the host; their loads are inputs the host refreshes.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol, final
+from typing import Protocol, final, runtime_checkable
 
 import attrs
 
@@ -108,9 +108,12 @@ class Router(Protocol):
         ...
 
 
+@runtime_checkable
 class PrefixIndex(Protocol):
-    """What a router can read about replicas' caches from outside: a block index fed by KV
-    events (``prefixflight.serve.kv_events.ClusterBlockIndex``) fits."""
+    """Residency: what a router can read about replicas' caches from outside. The one
+    protocol for it: a block index fed by KV events
+    (``prefixflight.serve.kv_events.ClusterBlockIndex``), Ray Serve's stats snapshots and
+    KV-event residency (``prefixflight.serve.ray``) all implement it."""
 
     def prefix_blocks(self, replica: str, blocks: Sequence[BlockHash]) -> int:
         """How many leading ``blocks`` ``replica`` holds now."""

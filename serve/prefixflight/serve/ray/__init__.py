@@ -9,9 +9,10 @@
 - `EngineReplica`, `ModelSpec`: the deployment (handle API: ``generate(GenerateRequest)``
   -> `GenerateResult`; coarse cache state via ``record_routing_stats``).
 - Ray-free (importable without Ray): `GenerateRequest`, `GenerateResult`, `RoutingState`,
-  `replica_load`, `find_request`, and residency: the `ResidencySource` protocol,
-  `BlockSetResidency` (fed by the replicas' stats snapshots) and `KVEventResidency` (a
-  subscriber following the replicas' KV-event publishers; needs the ``serve`` extra).
+  `replica_load`, `find_request`, and residency (the core's `PrefixIndex` protocol, the one
+  every source implements): `BlockSetResidency` (fed by the replicas' stats snapshots) and
+  `KVEventResidency` (a subscriber following the replicas' KV-event publishers; needs the
+  ``serve`` extra), both `FollowsReplicas`; `ResidencyFirstRouter` routes by them.
 
 Names that need Ray (or ZMQ) are imported on first use, so the Ray-free ones work without it.
 """
@@ -20,16 +21,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from .._residency import BlockSetResidency, FollowsReplicas, ResidencyFirstRouter
 from ._adapter import (
     ROUTING_STATS_KEYS,
-    BlockSetResidency,
     FallbackName,
     FirstToken,
     GenerateRequest,
     GenerateResult,
-    ObservesRoutingStats,
-    ResidencyFirstRouter,
-    ResidencySource,
     RoutingState,
     find_request,
     replica_load,
@@ -52,13 +50,12 @@ __all__ = [
     "EngineReplica",
     "FallbackName",
     "FirstToken",
+    "FollowsReplicas",
     "GenerateRequest",
     "GenerateResult",
     "KVEventResidency",
     "ModelSpec",
-    "ObservesRoutingStats",
     "ResidencyFirstRouter",
-    "ResidencySource",
     "RouterName",
     "RoutingState",
     "find_request",

@@ -205,7 +205,7 @@ class EngineReplica:
         return {
             "replica": self._name,
             "running": sum(s is RequestState.RUNNING for s in states),
-            "waiting": sum(s is not RequestState.RUNNING for s in states),
+            "waiting": sum(s in (RequestState.QUEUED, RequestState.WAITING) for s in states),
             "kv_utilization": (usage.total - usage.free) / usage.total if usage.total else 0.0,
             "requests": self._requests,
             "prompt_tokens": self._prompt_tokens,

@@ -1,10 +1,10 @@
-"""Residency by KV events: a `ResidencySource` over a `KVEventSubscriber`. Ray-free.
+"""Residency by KV events: a `PrefixIndex` over a `KVEventSubscriber`. Ray-free.
 
 Each replica started with ``kv_events=True`` publishes its prefix cache's KV events
 (`KVEventPublisher`, bound to a free loopback port, with a replay socket) and reports the
 two endpoints in its routing stats (`KV_ENDPOINT_KEYS`). `KVEventResidency` follows them:
 `observe` subscribes to a replica the first time its stats show endpoints (again if they
-change), `drop_replica` stops following one that died or left, and `resident_prefix`
+change), `drop_replica` stops following one that died or left, and `prefix_blocks`
 reads the subscriber's per-replica index, current to the last event rather than to the
 stats period. The index keys blocks by the publishers' own hashes folded to 64 bits, so the
 router's engine blocks (`BlockHasher(block_size=engine page size, namespace=...)`, the
@@ -40,7 +40,8 @@ def publisher_address(stats: Mapping[str, Any] | None) -> PublisherAddress | Non
 
 @final
 class KVEventResidency:
-    """Which blocks each replica holds, from its KV events (a `ResidencySource`).
+    """Which blocks each replica holds, from its KV events (a `PrefixIndex` that
+    `FollowsReplicas`).
 
     Owns one `KVEventSubscriber` (started at once: its thread follows every publisher,
     catching up through the replay sockets) unless ``subscriber`` is given, in which case the
@@ -83,7 +84,7 @@ class KVEventResidency:
         self._subscriber.add_publisher(replica, address)
         self._known[replica] = address
 
-    def resident_prefix(self, replica: str, blocks: Sequence[BlockHash]) -> int:
+    def prefix_blocks(self, replica: str, blocks: Sequence[BlockHash]) -> int:
         return self._subscriber.index.prefix_blocks(replica, blocks)
 
     def drop_replica(self, replica: str) -> None:

@@ -20,15 +20,16 @@ __all__ = ["ROUTERS", "RouterName", "router_config", "run_local", "shutdown"]
 
 RouterName: TypeAlias = Literal["burst", "prefix", "pow2"]
 
-ROUTERS: Mapping[str, str] = {
+ROUTERS: Mapping[str, str | None] = {
     "burst": "prefixflight.serve.ray:BurstRequestRouter",
     # Ray's PrefixCacheAffinityRouter (ray.serve.llm) with routing tasks that keep their
-    # request (Serve 2.59's loop loses some: see _routing_tasks); imported from its defining
-    # module, as ray.serve.llm.request_router needs vLLM or SGLang installed.
-    "prefix": "prefixflight.serve.ray._prefix_router:PrefixCacheAffinityRouter",
-    "pow2": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter",
+    # request (Serve 2.59's loop loses some: see _routing_tasks, which also says where the
+    # class is imported from).
+    "prefix": "prefixflight.serve.ray._routing_tasks:PrefixCacheAffinityRouter",
+    "pow2": None,  # Serve's default request router, PowerOfTwoChoicesRequestRouter
 }
-"""``--router`` names -> request router classes: ours, Ray's prefix-aware one, Ray's default."""
+"""``--router`` names -> request router classes: ours, Ray's prefix-aware one, Ray's default
+(``None``: Serve's own default, named by no import path here)."""
 
 
 def router_config(
@@ -43,8 +44,9 @@ def router_config(
     config_cls: Any = RequestRouterConfig  # a pydantic model: mypy sees its fields wrongly
     if router not in ROUTERS:
         raise ConfigError(f"router must be one of {', '.join(ROUTERS)}, got {router!r}")
+    cls = ROUTERS[router]
     return config_cls(
-        request_router_class=ROUTERS[router],
+        **({} if cls is None else {"request_router_class": cls}),
         request_router_kwargs=dict(router_kwargs or {}),
         request_routing_stats_period_s=stats_period_s,
         request_routing_stats_timeout_s=max(stats_period_s, 5.0),

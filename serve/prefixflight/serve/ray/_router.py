@@ -29,13 +29,11 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
-from ray.serve._private.common import ReplicaID
-from ray.serve._private.replica_result import ReplicaResult
-from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from prefixflight.core import BurstConfig, ReplicaLoad, Routed, UsageError
+from prefixflight.core import BurstConfig, PrefixIndex, ReplicaLoad, Routed, UsageError
 
-from ._adapter import FallbackName, ResidencySource, RoutingState, find_request, replica_load
+from ._adapter import FallbackName, RoutingState, find_request, replica_load
 from ._routing_tasks import OwnRequestRoutingMixin
 
 __all__ = ["BurstRequestRouter", "load_object"]
@@ -77,6 +75,7 @@ class BurstRequestRouter(OwnRequestRoutingMixin, RequestRouter):
         min_colocate_blocks: int = 0,
         max_batch_size: int = 1000,
         balance_by: str = "requests",
+        lone_wait_ms: int | None = None,
         engine_block_size: int = 16,
         fallback: FallbackName = "approx",
         residency_source: str | None = None,
@@ -92,7 +91,7 @@ class BurstRequestRouter(OwnRequestRoutingMixin, RequestRouter):
         resident blocks the replicas report in ``record_routing_stats``; ``"kv_events"``: a
         `KVEventResidency` following the KV-event publishers whose endpoints the replicas
         report there; or the import path of a zero-argument factory returning a
-        `ResidencySource`) and the most concurrent routing tasks (the largest window this
+        `PrefixIndex`) and the most concurrent routing tasks (the largest window this
         router can form).
         """
         super().initialize_state(**kwargs)  # type: ignore[no-untyped-call]
@@ -104,15 +103,16 @@ class BurstRequestRouter(OwnRequestRoutingMixin, RequestRouter):
             min_colocate_blocks=min_colocate_blocks,
             max_batch_size=max_batch_size,
             balance_by=cast(Any, balance_by),
+            lone_wait_ms=lone_wait_ms,
         )
-        residency: ResidencySource | None = None
+        residency: PrefixIndex | None = None
         if residency_source == "kv_events":
             from ._kv_residency import KVEventResidency
 
             kv = residency = KVEventResidency()
             weakref.finalize(self, kv.close)  # no shutdown hook: at collection or exit
         elif residency_source is not None and residency_source != "stats":
-            factory = cast(Callable[[], ResidencySource], load_object(residency_source))
+            factory = cast(Callable[[], PrefixIndex], load_object(residency_source))
             residency = factory()
         self._state = RoutingState(
             config,
@@ -259,7 +259,7 @@ class BurstRequestRouter(OwnRequestRoutingMixin, RequestRouter):
             self._in_flight.pop(name, None)
 
     def on_request_routed(
-        self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
+        self, pending_request: PendingRequest, replica_id: ReplicaID, result: object
     ) -> None:
         rid = str(pending_request.metadata.internal_request_id)
         name = replica_id.unique_id

@@ -22,6 +22,14 @@ router itself raises fails with that error (Serve's loop would drop it and end t
 Everything else (the choice, the backoff, the probes, the assignment) is Serve's own code,
 called as Serve calls it. It relies on Serve's private routing-queue attributes of the Ray
 range the ``ray`` extra pins (2.59.x).
+
+This is the one module of the Ray integration that reaches past Ray's public API; everything
+else imports ``ray.serve``, ``ray.serve.config`` and ``ray.serve.request_router``. Besides
+the mixin it holds `PrefixCacheAffinityRouter`, Ray's prefix-aware router with the mixin (the
+``"prefix"`` router of `run_local` and the benchmarks): the public class lives in
+``ray.serve.llm.request_router``, whose package imports ``pyarrow`` (installed by
+``ray[llm]``, not by ``ray[serve]``); without it the same class is imported from the module
+that defines it. Both go when the PR lands: drop the mixin, import the public class.
 """
 
 from __future__ import annotations
@@ -30,7 +38,16 @@ import asyncio
 import logging
 from typing import Any
 
-__all__ = ["OwnRequestRoutingMixin"]
+try:  # the public class (its package needs ray[llm]'s pyarrow)
+    from ray.serve.llm.request_router import (
+        PrefixCacheAffinityRouter as _RayPrefixCacheAffinityRouter,
+    )
+except ImportError:  # the class it re-exports, from the module that defines it
+    from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import (  # type: ignore[assignment]
+        PrefixCacheAffinityRouter as _RayPrefixCacheAffinityRouter,
+    )
+
+__all__ = ["OwnRequestRoutingMixin", "PrefixCacheAffinityRouter"]
 
 _log = logging.getLogger("ray.serve")
 
@@ -90,3 +107,10 @@ class OwnRequestRoutingMixin:
                     )
         finally:
             await choices.aclose()
+
+
+
+class PrefixCacheAffinityRouter(OwnRequestRoutingMixin, _RayPrefixCacheAffinityRouter):
+    """Ray's ``PrefixCacheAffinityRouter``, unchanged but for `OwnRequestRoutingMixin`: it
+    picks a replica for one request, as ours does, and without the mixin 1-3 requests of
+    every benchmark round never reached a replica."""

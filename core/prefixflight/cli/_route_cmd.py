@@ -1,0 +1,234 @@
+"""``prefixflight route``: an OpenAI-compatible HTTP router in front of OpenAI-compatible
+engines (vLLM, SGLang, ``prefixflight serve``), with the burst prefix-affinity window and
+residency from the engines' KV events.
+
+Needs the ``serve`` extra (FastAPI, uvicorn, httpx, pyzmq; ``--tokenizer`` also needs
+transformers), imported inside the command. Flag mistakes exit 2 with one line; a port that
+cannot be bound, a tokenizer that cannot be read or a missing extra is a one-line error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+from typing import Any
+
+from prefixflight.core import BurstConfig, ConfigError, UsageError
+
+from ._args import at_least, positive_float
+from ._serve_cmd import add_access_arguments, api_keys
+
+__all__ = ["register", "run"]
+
+POLICIES = ("burst", "prefix", "round_robin")
+
+
+def _port(value: str) -> int:
+    n = at_least(0)(value)
+    if n > 65535:
+        raise argparse.ArgumentTypeError(f"a port is at most 65535, got {value!r}")
+    return int(n)
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "route",
+        help="route OpenAI requests across engines with the burst window (serve extra)",
+        description=(
+            "An OpenAI-compatible router (/v1/completions, /v1/chat/completions with streaming, "
+            "/v1/models, /tokenize, /health, /metrics) in front of OpenAI-compatible engines "
+            "(vLLM, SGLang, prefixflight serve). The burst policy places requests that share a "
+            "prompt and arrive within one window on one engine; requests the window leaves "
+            "alone go where their prefix is resident (from the engines' KV events, with "
+            "--kv-events), else to llm-d's approximate prefix scorer. Binds loopback by default."
+        ),
+    )
+    p.add_argument(
+        "--backend",
+        action="append",
+        required=True,
+        metavar="URL",
+        help="an engine's base URL, e.g. http://127.0.0.1:8000 (repeat for each engine)",
+    )
+    p.add_argument(
+        "--kv-events",
+        action="append",
+        metavar="ENDPOINT",
+        help="where each backend publishes KV events, in --backend order (repeat once per "
+        "backend), e.g. tcp://127.0.0.1:5557 for a vLLM started with --kv-events-config "
+        "endpoint tcp://*:5557",
+    )
+    p.add_argument(
+        "--kv-events-replay",
+        action="append",
+        metavar="ENDPOINT",
+        help="with --kv-events: each backend's replay endpoint, in --backend order",
+    )
+    p.add_argument("--policy", choices=POLICIES, default="burst", help="the routing policy")
+    p.add_argument(
+        "--engine-block-size",
+        type=at_least(1),
+        default=16,
+        metavar="B",
+        help="the backends' KV block size, for residency (vLLM's --block-size)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="a Hugging Face tokenizer folder (the backends' model): text prompts are keyed by "
+        "their token ids, so KV-event residency applies to them; without it text is keyed by "
+        "its bytes and residency needs token-id prompts",
+    )
+    g = p.add_argument_group("burst window (llm-d's burst prefix-affinity parameters)")
+    g.add_argument("--window-ms", type=at_least(1), default=100, metavar="MS", help="batch window")
+    g.add_argument(
+        "--lone-wait-ms",
+        type=at_least(1),
+        default=None,
+        metavar="MS",
+        help="adaptive window: release a request that shares its prefix with nothing in its "
+        "window after MS instead of at the window's end (default: off, as llm-d)",
+    )
+    g.add_argument(
+        "--max-per-replica",
+        type=int,
+        default=-1,
+        metavar="K",
+        help="most members of one group per backend; -1 puts a group on one backend",
+    )
+    g.add_argument(
+        "--block-size-tokens",
+        type=at_least(1),
+        default=64,
+        metavar="N",
+        help="tokens (or bytes, without --tokenizer) per route-key block",
+    )
+    g.add_argument(
+        "--min-colocate-blocks",
+        type=at_least(0),
+        default=0,
+        metavar="N",
+        help="leading blocks that make different prompts co-locate; 0: identical prompts only",
+    )
+    g.add_argument(
+        "--max-batch-size", type=int, default=1000, metavar="N", help="most requests per window"
+    )
+    h = p.add_argument_group("HTTP")
+    h.add_argument("--host", default="127.0.0.1", help="loopback only unless told otherwise")
+    h.add_argument("--port", type=_port, default=8080, help="0 picks a free port")
+    h.add_argument(
+        "--max-in-flight",
+        type=at_least(1),
+        default=1024,
+        metavar="N",
+        help="requests relayed at once; past it 429",
+    )
+    h.add_argument(
+        "--timeout-s",
+        type=positive_float,
+        default=600.0,
+        metavar="S",
+        help="longest wait for a backend's answer or its next stream chunk",
+    )
+    h.add_argument(
+        "--log-level",
+        choices=("critical", "error", "warning", "info", "debug"),
+        default="warning",
+        help="uvicorn's log level",
+    )
+    h.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    add_access_arguments(p)  # prefixflight serve's: API keys, body size, timeouts
+    p.set_defaults(func=run, parser=p)
+
+
+def _per_backend(
+    parser: argparse.ArgumentParser, flag: str, values: list[str] | None, n: int
+) -> list[str | None]:
+    if values is None:
+        return [None] * n
+    if len(values) != n:
+        parser.error(f"{flag} was given {len(values)} times for {n} backends: give it once each")
+    for v in values:
+        if "://" not in v:
+            parser.error(f"{flag} must be a ZMQ address like tcp://127.0.0.1:5557, got {v!r}")
+    return list(values)
+
+
+def _codec(path: str) -> Any:
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as exc:
+        raise UsageError(
+            f"--tokenizer needs transformers ({exc}): pip install transformers"
+        ) from None
+    from prefixflight.serve._text import HFCodec
+
+    try:
+        return HFCodec(AutoTokenizer.from_pretrained(path, local_files_only=True))
+    except (OSError, ValueError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UsageError(f"--tokenizer {path}: cannot load a tokenizer there ({first})") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    parser: argparse.ArgumentParser = args.parser
+    n = len(args.backend)
+    kv = _per_backend(parser, "--kv-events", args.kv_events, n)
+    replay = _per_backend(parser, "--kv-events-replay", args.kv_events_replay, n)
+    if args.kv_events is None and args.kv_events_replay is not None:
+        parser.error("--kv-events-replay needs --kv-events")
+    keys = api_keys(args)  # a bad keys file fails before anything starts
+    try:
+        from prefixflight.serve import route
+    except ImportError as exc:
+        raise UsageError(
+            f"`prefixflight route` needs the serve extra ({exc}); install it with "
+            "`pip install 'prefixflight[serve]'`"
+        ) from None
+    try:
+        config = route.RouteConfig(
+            backends=tuple(
+                route.Backend(url=url.rstrip("/").removesuffix("/v1"), kv_events=k, kv_replay=r)
+                for url, k, r in zip(args.backend, kv, replay, strict=True)
+            ),
+            policy=args.policy,
+            burst=BurstConfig(
+                window_ms=args.window_ms,
+                lone_wait_ms=args.lone_wait_ms,
+                max_per_replica=args.max_per_replica,
+                block_size_tokens=args.block_size_tokens,
+                min_colocate_blocks=args.min_colocate_blocks,
+                max_batch_size=args.max_batch_size,
+            ),
+            engine_block_size=args.engine_block_size,
+            max_in_flight=args.max_in_flight,
+            api_keys=keys,
+            max_body_bytes=args.max_body_bytes,
+            client_timeout=args.client_timeout,
+            keep_alive_timeout=args.keep_alive_timeout,
+            shutdown_timeout=args.shutdown_timeout,
+            timeout_s=args.timeout_s,
+        )
+    except ConfigError as exc:
+        parser.error(str(exc))
+    codec = None if args.tokenizer is None else _codec(args.tokenizer)
+    try:
+        sock = socket.create_server((args.host, args.port))
+    except OSError as exc:
+        raise UsageError(
+            f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}"
+        ) from None
+    with sock:
+        app = route.build_route_app(config, codec=codec)
+        host, port = sock.getsockname()[:2]
+        shown = f"[{host}]" if ":" in host else host
+        events = "KV events from each" if args.kv_events else "no KV events"
+        print(
+            f"prefixflight route: http://{shown}:{port} -> {n} backend(s), policy "
+            f"{args.policy} (window {args.window_ms} ms), {events}",
+            file=sys.stderr,
+            flush=True,
+        )
+        route.serve(app, sock, log_level=args.log_level, access_log=args.access_log)
+    return 0

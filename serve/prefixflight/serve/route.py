@@ -1,0 +1,766 @@
+"""``prefixflight route``: an OpenAI-compatible HTTP router in front of OpenAI-compatible
+engines (vLLM, SGLang, ``prefixflight serve``), with the burst prefix-affinity window.
+
+Each ``POST /v1/completions`` or ``/v1/chat/completions`` is keyed by its prompt, routed by a
+policy (`RoutingState`: ``"burst"``, the core's `BurstRouter` window in front of a
+residency-first fallback; ``"prefix"``, the fallback alone; ``"round_robin"``), and relayed
+to the chosen backend unchanged: the body as sent, the answer as received (server-sent events
+passed through chunk by chunk; a client that goes away closes the upstream request, which
+aborts it there). ``GET /v1/models`` and ``POST /tokenize`` / ``/detokenize`` go to a live
+backend; ``GET /health`` is 200 while one backend is up; ``GET /metrics`` is the router's own.
+
+Keys. With a tokenizer (``tokenizer=``: any `Codec`, e.g. ``HFCodec`` over the backends'
+Hugging Face tokenizer) a text prompt is keyed by its token ids, as the engines see them; a
+chat by its chat template's tokens; without one, by the text's UTF-8 bytes (the burst window
+groups identical and prefix-sharing prompts all the same; residency lookups then need token-id
+prompts). ``cache_salt`` names the tenant: its keys are its own.
+
+Residency comes from the backends' KV events (a `KVEventSubscriber` connecting to each
+backend's publisher; vLLM binds ``tcp://*:PORT``): the subscriber rebuilds each stored block's
+key from its token ids with the router's hasher (``BlockHasher(engine_block_size)``, which
+must be the backends' KV block size), so the router finds a prompt's blocks whatever hash
+seed the engine uses. Without KV events the fallback is llm-d's approximate prefix scorer,
+which assumes a backend caches what it was sent.
+
+Loads: the requests this router has in flight per backend (as running and as waiting: a
+residency-first choice stays within 4 in-flight requests of the least loaded backend, and the
+approximate scorer's queue score balances cold prompts). A backend that refuses a
+connection is marked down (a request not yet sent goes to another one) and probed on
+``/health`` until it answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any, Final, final
+
+import attrs
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from starlette.exceptions import HTTPException
+
+from prefixflight.core import (
+    BlockHasher,
+    BurstConfig,
+    ConfigError,
+    PrefixIndex,
+    ReplicaLoad,
+    Routed,
+)
+
+from ._limits import ApiKeys, BodyLimits, GracefulServer, HeaderDeadline
+from ._routing import POLICIES, PolicyName, RoutingState
+from ._server import ApiError as HttpError
+from ._server import error_body
+from ._text import Codec
+
+__all__ = [
+    "Backend",
+    "RouteConfig",
+    "RoutePrompt",
+    "build_route_app",
+    "route_prompt",
+    "route_server",
+    "serve",
+]
+
+MIB: Final = 1 << 20
+
+_RELAYED_HEADERS: Final = ("content-type", "authorization", "accept")
+_NOT_RELAYED: Final = frozenset(  # hop-by-hop, or set by this server itself
+    {
+        "connection",
+        "keep-alive",
+        "transfer-encoding",
+        "content-length",
+        "content-encoding",
+        "content-type",
+        "date",
+        "server",
+    }
+)
+
+
+def _url(_i: object, _a: object, value: str) -> None:
+    if not isinstance(value, str) or not value.startswith(("http://", "https://")):
+        raise ConfigError(f"a backend URL must start with http:// or https://, got {value!r}")
+    if value.endswith("/") or value.endswith("/v1"):
+        raise ConfigError(f"give a backend's base URL, without /v1 or a trailing /: {value!r}")
+
+
+def _endpoint(_i: object, attribute: attrs.Attribute[Any], value: str | None) -> None:
+    if value is not None and (not isinstance(value, str) or "://" not in value):
+        raise ConfigError(
+            f"{attribute.name} must be a ZMQ address like tcp://127.0.0.1:5557, got {value!r}"
+        )
+
+
+@attrs.frozen(kw_only=True)
+class Backend:
+    """One engine: its base URL (``http://host:port``, named by it in metrics and loads) and,
+    optionally, where it publishes KV events (``kv_events``, a ZMQ endpoint to connect to)
+    and serves their replays (``kv_replay``)."""
+
+    url: str = attrs.field(validator=_url)
+    kv_events: str | None = attrs.field(default=None, validator=_endpoint)
+    kv_replay: str | None = attrs.field(default=None, validator=_endpoint)
+
+    def __attrs_post_init__(self) -> None:
+        if self.kv_replay is not None and self.kv_events is None:
+            raise ConfigError(f"backend {self.url}: a replay endpoint needs a KV-event endpoint")
+
+
+def _backends(value: Sequence[Backend]) -> tuple[Backend, ...]:
+    out = tuple(value)
+    if not out:
+        raise ConfigError("at least one backend is needed")
+    urls = [b.url for b in out]
+    if len(set(urls)) != len(urls):
+        raise ConfigError(f"backend URLs must be unique, got {urls!r}")
+    return out
+
+
+def _keys(value: Mapping[str, str | None]) -> dict[str, str | None]:
+    out = dict(value)
+    for key, tenant in out.items():
+        if not isinstance(key, str) or not key:
+            raise ConfigError(f"API keys must be non-empty strs, got {key!r}")
+        if tenant is not None and (not isinstance(tenant, str) or not tenant):
+            raise ConfigError(f"a key's tenant must be None or a non-empty str, got {tenant!r}")
+    return out
+
+
+def _positive(name: str) -> Any:
+    def check(_i: object, _a: object, value: float) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ConfigError(f"{name} must be a number > 0, got {value!r}")
+
+    return check
+
+
+def _non_negative(name: str) -> Any:
+    def check(_i: object, _a: object, value: float) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise ConfigError(f"{name} must be a number >= 0, got {value!r}")
+
+    return check
+
+
+def _at_least_one(name: str) -> Any:
+    def check(_i: object, _a: object, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
+
+    return check
+
+
+@attrs.frozen(kw_only=True)
+class RouteConfig:
+    """The router's settings.
+
+    - ``policy``: ``"burst"`` (default), ``"prefix"`` or ``"round_robin"``.
+    - ``burst``: the window (`BurstConfig`; route keys of ``block_size_tokens``).
+    - ``engine_block_size``: the backends' KV block size (residency keys).
+    - ``max_in_flight``: requests relayed at once; past it, 429 with ``Retry-After``.
+    - ``timeout_s``: the longest wait for a backend's answer (or its next stream chunk).
+    - ``health_interval_s``: how often a backend marked down is probed.
+    - The limits of ``prefixflight serve`` (``prefixflight.serve._limits``, the same
+      middlewares): ``api_keys`` (key -> tenant or None; empty: no keys), ``max_body_bytes``
+      (413 past it), ``client_timeout`` (a client silent that long while it sends its
+      headers or body is dropped, 408), ``keep_alive_timeout``, ``shutdown_timeout`` (on
+      SIGINT/SIGTERM, how long relayed requests may take to finish).
+    """
+
+    backends: tuple[Backend, ...] = attrs.field(converter=_backends)
+    policy: PolicyName = "burst"
+    burst: BurstConfig = attrs.field(factory=BurstConfig)
+    engine_block_size: int = attrs.field(default=16, validator=_at_least_one("engine_block_size"))
+    max_in_flight: int = attrs.field(default=1024, validator=_at_least_one("max_in_flight"))
+    api_keys: Mapping[str, str | None] = attrs.field(factory=dict, converter=_keys)
+    max_body_bytes: int = attrs.field(default=32 * MIB, validator=_at_least_one("max_body_bytes"))
+    client_timeout: float = attrs.field(default=30.0, validator=_positive("client_timeout"))
+    keep_alive_timeout: float = attrs.field(default=5.0, validator=_positive("keep_alive_timeout"))
+    shutdown_timeout: float = attrs.field(default=5.0, validator=_non_negative("shutdown_timeout"))
+    timeout_s: float = attrs.field(default=600.0, validator=_positive("timeout_s"))
+    health_interval_s: float = attrs.field(default=2.0, validator=_positive("health_interval_s"))
+    seed: int | None = 0
+
+    def __attrs_post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+
+
+# -- keys -------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class RoutePrompt:
+    """A request's prompt as the router keys it (a `Routable`): token ids when known, else
+    text; the tenant ``namespace``."""
+
+    prompt_ids: tuple[int, ...] | None
+    text: str = ""
+    namespace: str = ""
+
+    def route_tokens(self) -> tuple[int, ...]:
+        if self.prompt_ids:
+            return self.prompt_ids
+        return tuple(self.text.encode("utf-8"))
+
+
+def _token_list(value: object) -> tuple[int, ...] | None:
+    if isinstance(value, list) and value and all(type(t) is int and t >= 0 for t in value):
+        return tuple(value)
+    return None
+
+
+def _messages_text(messages: Sequence[Mapping[str, Any]]) -> str:
+    return json.dumps([[m.get("role"), m.get("content")] for m in messages], separators=(",", ":"))
+
+
+async def route_prompt(
+    endpoint: str, body: Mapping[str, Any], codec: Codec | None, *, tenant: str | None = None
+) -> RoutePrompt:
+    """The `RoutePrompt` of a completions (``prompt``) or chat (``messages``) body; a batch
+    prompt is keyed by its first entry. Raises `HttpError` (400) naming a malformed field;
+    other fields are the backend's to check. Tokenizing runs in a worker thread. The
+    namespace is the ``tenant`` (an API key's, from a keys file) and the ``cache_salt``."""
+    salt = body.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        raise HttpError(400, f"cache_salt must be a string, got {salt!r}", param="cache_salt")
+    namespace = (salt or "") if tenant is None else json.dumps([tenant, salt])
+    if endpoint == "chat":
+        messages = body.get("messages")
+        if (
+            not isinstance(messages, list)
+            or not messages
+            or not all(isinstance(m, dict) for m in messages)
+        ):
+            raise HttpError(400, "messages must be a non-empty list of objects", param="messages")
+        if codec is None:
+            return RoutePrompt(None, _messages_text(messages), namespace)
+        plain = [
+            {"role": str(m.get("role")), "content": _content(m.get("content"))} for m in messages
+        ]
+        chat_ids = await _off_loop(codec.chat, plain)
+        return RoutePrompt(tuple(chat_ids), "", namespace)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch: keyed by its first prompt
+    ids = _token_list(prompt)
+    if ids is not None:
+        return RoutePrompt(ids, "", namespace)
+    if not isinstance(prompt, str) or not prompt:
+        raise HttpError(
+            400, "prompt must be a non-empty string or list of token ids", param="prompt"
+        )
+    if codec is None:
+        return RoutePrompt(None, prompt, namespace)
+    return RoutePrompt(tuple(await _off_loop(codec.encode, prompt)), prompt, namespace)
+
+
+def _content(content: object) -> str:
+    """A chat message's text (parts of type text joined), for tokenizing its template."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(
+            str(p.get("text", ""))
+            for p in content
+            if isinstance(p, dict) and p.get("type") == "text"
+        )
+    return ""
+
+
+async def _off_loop(fn: Any, arg: Any) -> list[int]:
+    try:
+        out: list[int] = await asyncio.to_thread(fn, arg)
+    except Exception as exc:  # a tokenizer refusing the input: the client's mistake
+        raise HttpError(400, f"cannot tokenize the prompt: {exc}") from None
+    return out
+
+
+# -- the app ----------------------------------------------------------------------------------
+
+
+@final
+class _Metrics:
+    def __init__(self, backends: Sequence[str], policy: str) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "prefixflight_route_requests",
+            "Requests relayed to a backend.",
+            ["backend", "endpoint"],
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "prefixflight_route_in_flight",
+            "Requests relayed and not finished.",
+            ["backend"],
+            registry=r,
+        )
+        self.up = Gauge(
+            "prefixflight_route_backend_up",
+            "1 while the backend is believed up.",
+            ["backend"],
+            registry=r,
+        )
+        self.errors = Counter(
+            "prefixflight_route_upstream_errors",
+            "Requests a backend could not answer (connect, timeout, broken stream).",
+            ["backend", "kind"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            "prefixflight_route_rejected",
+            "Requests refused by the router.",
+            ["reason"],
+            registry=r,
+        )
+        self.decision = Histogram(
+            "prefixflight_route_decision_seconds",
+            "From a request's arrival to its routing decision (the window included).",
+            ["policy"],
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+            registry=r,
+        )
+        self.kv_blocks = Gauge(
+            "prefixflight_route_kv_blocks",
+            "Blocks the KV-event index holds per backend.",
+            ["backend"],
+            registry=r,
+        )
+        for b in backends:
+            self.up.labels(b).set(1)
+            self.in_flight.labels(b).set(0)
+
+
+@final
+class _Router:
+    """The app's state: the routing policy, the in-flight counts, the upstream client."""
+
+    def __init__(self, config: RouteConfig, codec: Codec | None, index: PrefixIndex | None) -> None:
+        self.config = config
+        self.codec = codec
+        self.names = [b.url for b in config.backends]
+        self.state = RoutingState(
+            config.burst,
+            policy=config.policy,
+            engine_block_size=config.engine_block_size,
+            residency=index,
+            seed=config.seed,
+        )
+        self.in_flight = dict.fromkeys(self.names, 0)
+        self.up = dict.fromkeys(self.names, True)
+        self.total_in_flight = 0
+        self.draining = False
+        self.idle: asyncio.Event | None = None  # set when the last relayed request ends
+        self.metrics = _Metrics(self.names, config.policy)
+        self.metrics.decision.labels(config.policy)
+        self.waiters: dict[str, asyncio.Future[str]] = {}
+        self.timer: asyncio.TimerHandle | None = None
+        self.client: httpx.AsyncClient | None = None
+        self.health_task: asyncio.Task[None] | None = None
+        self.subscriber: Any = None
+
+    # -- loads and decisions --------------------------------------------------------------
+    def loads(self) -> list[ReplicaLoad]:
+        """The live backends and the load this router knows: its requests in flight there,
+        reported as ``running`` (the window's tie-break) and as ``waiting`` (the approximate
+        scorer's queue score), since the router cannot tell the engine's batch from its
+        queue."""
+        return [
+            ReplicaLoad(name=n, running=self.in_flight[n], waiting=self.in_flight[n])
+            for n in self.names
+            if self.up[n]
+        ]
+
+    async def choose(self, rid: str, prompt: RoutePrompt) -> str:
+        loads = self.loads()
+        if not loads:
+            self.metrics.rejected.labels("no_backend").inc()
+            raise HttpError(503, "no backend is up", "service_unavailable")
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[str] = loop.create_future()
+        self.waiters[rid] = future
+        started = loop.time()
+        try:
+            decisions = self.state.submit(rid, prompt, max(started, self.state.now), loads)
+        except BaseException:
+            del self.waiters[rid]
+            raise
+        self.resolve(decisions)
+        self.arm()
+        try:
+            name = await future
+        finally:
+            self.waiters.pop(rid, None)
+        self.state.consumed(rid)
+        self.metrics.decision.labels(self.config.policy).observe(loop.time() - started)
+        return name
+
+    def resolve(self, decisions: Sequence[Routed]) -> None:
+        for d in decisions:
+            future = self.waiters.get(str(d.request_id))
+            if future is None or future.done():  # its client left while it waited
+                self.state.consumed(str(d.request_id))
+            else:
+                future.set_result(d.replica)
+
+    def arm(self) -> None:
+        deadline = self.state.deadline
+        timer = self.timer
+        if timer is not None and (deadline is None or timer.when() != deadline):
+            timer.cancel()
+            self.timer = timer = None
+        if deadline is not None and timer is None:
+            self.timer = asyncio.get_running_loop().call_at(deadline, self.on_deadline)
+
+    def on_deadline(self) -> None:
+        self.timer = None
+        loop = asyncio.get_running_loop()
+        loads = self.loads() or [ReplicaLoad(name=n) for n in self.names]
+        now = max(loop.time(), self.state.deadline or 0.0, self.state.now)
+        self.resolve(self.state.tick(now, loads))
+        self.arm()
+
+    def least_loaded(self, excluding: str | None = None) -> str | None:
+        live = [(self.in_flight[n], n) for n in self.names if self.up[n] and n != excluding]
+        return min(live)[1] if live else None
+
+    def mark(self, name: str, up: bool) -> None:
+        self.up[name] = up
+        self.metrics.up.labels(name).set(1 if up else 0)
+
+    def count(self, name: str, delta: int) -> None:
+        self.in_flight[name] += delta
+        self.total_in_flight += delta
+        if not self.total_in_flight and self.idle is not None:
+            self.idle.set()
+        self.metrics.in_flight.labels(name).set(self.in_flight[name])
+
+    # -- relaying -------------------------------------------------------------------------
+    async def send(
+        self, name: str, method: str, path: str, request: Request, body: bytes | None
+    ) -> httpx.Response:
+        assert self.client is not None
+        headers = {k: v for k in _RELAYED_HEADERS if (v := request.headers.get(k)) is not None}
+        upstream = self.client.build_request(method, name + path, content=body, headers=headers)
+        return await self.client.send(upstream, stream=True)
+
+    async def relay(
+        self, endpoint: str, path: str, request: Request, body: bytes, first: str
+    ) -> Response:
+        """Send to ``first`` (another backend if it refuses the connection) and relay."""
+        name = first
+        for _attempt in range(len(self.names)):
+            self.count(name, +1)
+            try:
+                upstream = await self.send(name, "POST", path, request, body)
+            except httpx.ConnectError:
+                self.count(name, -1)
+                self.metrics.errors.labels(name, "connect").inc()
+                self.mark(name, False)
+                other = self.least_loaded(excluding=name)
+                if other is None:
+                    break
+                name = other
+                continue
+            except httpx.TimeoutException:
+                self.count(name, -1)
+                self.metrics.errors.labels(name, "timeout").inc()
+                raise HttpError(504, f"backend {name} did not answer in time", "timeout") from None
+            except httpx.HTTPError as exc:
+                self.count(name, -1)
+                self.metrics.errors.labels(name, "transport").inc()
+                raise HttpError(502, f"backend {name} failed: {exc}", "bad_gateway") from None
+            self.metrics.requests.labels(name, endpoint).inc()
+            return await self.answer(name, upstream)
+        raise HttpError(503, "no backend is up", "service_unavailable")
+
+    async def answer(self, name: str, upstream: httpx.Response) -> Response:
+        media = upstream.headers.get("content-type", "")
+        headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _NOT_RELAYED}
+        if upstream.status_code == 200 and media.startswith("text/event-stream"):
+            return _Relay(self, name, upstream, headers)
+        try:
+            content = await upstream.aread()
+        except httpx.HTTPError as exc:
+            self.metrics.errors.labels(name, "transport").inc()
+            raise HttpError(502, f"backend {name} failed: {exc}", "bad_gateway") from None
+        finally:
+            await upstream.aclose()
+            self.count(name, -1)
+        return Response(
+            content, status_code=upstream.status_code, media_type=media or None, headers=headers
+        )
+
+    async def drain(self) -> None:
+        """Refuse new requests (503); give those relayed ``shutdown_timeout`` seconds."""
+        self.draining = True
+        if self.total_in_flight:
+            self.idle = asyncio.Event()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.idle.wait(), self.config.shutdown_timeout)
+
+    # -- health ---------------------------------------------------------------------------
+    async def watch_health(self) -> None:
+        assert self.client is not None
+        while True:
+            await asyncio.sleep(self.config.health_interval_s)
+            for name in [n for n in self.names if not self.up[n]]:
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await self.client.get(name + "/health", timeout=5.0)).status_code == 200:
+                        self.mark(name, True)
+
+    def scrape(self) -> bytes:
+        sub = self.subscriber
+        if sub is not None:
+            for name in self.names:
+                self.metrics.kv_blocks.labels(name).set(len(sub.index.replica(name)))
+        return bytes(generate_latest(self.metrics.registry))
+
+
+class _Relay(Response):
+    """A backend's server-sent event stream relayed chunk by chunk. When the client goes
+    away, or the stream ends or breaks, the upstream request is closed (a backend aborts a
+    request whose connection closes) and the backend's in-flight count drops, once."""
+
+    media_type: str | None = "text/event-stream"
+
+    def __init__(
+        self, router: _Router, name: str, upstream: httpx.Response, headers: Mapping[str, str]
+    ) -> None:
+        super().__init__(headers={**headers, "cache-control": "no-cache"})
+        # a stream has no length (Response would declare an empty body)
+        self.raw_headers = [(k, v) for k, v in self.raw_headers if k != b"content-length"]
+        self._router = router
+        self._name = name
+        self._upstream = upstream
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        name, upstream = self._name, self._upstream
+
+        async def pump() -> None:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            try:
+                async for chunk in upstream.aiter_raw():
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            except httpx.HTTPError as exc:
+                self._router.metrics.errors.labels(name, "stream").inc()
+                err = error_body(
+                    502, f"backend {name} failed mid-stream: {type(exc).__name__}", "bad_gateway"
+                )
+                chunk = f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        async def disconnected() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        pumping = asyncio.ensure_future(pump())
+        watching = asyncio.ensure_future(disconnected())
+        try:
+            await asyncio.wait((pumping, watching), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (pumping, watching):
+                task.cancel()
+            await asyncio.gather(pumping, watching, return_exceptions=True)
+            await upstream.aclose()
+            self._router.count(name, -1)
+
+
+def _error_response(err: HttpError) -> JSONResponse:
+    return JSONResponse(
+        error_body(err.status, err.message, err.kind, err.param),
+        status_code=err.status,
+        headers=err.headers,
+    )
+
+
+def build_route_app(
+    config: RouteConfig,
+    *,
+    codec: Codec | None = None,
+    index: PrefixIndex | None = None,
+) -> FastAPI:
+    """The router as a FastAPI app. ``codec`` keys text prompts by token ids (see the module
+    docstring); ``index`` is a residency source to use instead of the backends' KV events
+    (which are followed, from app start-up to shutdown, when any `Backend` names them)."""
+    kv = [b for b in config.backends if b.kv_events is not None]
+    subscriber: Any = None
+    if index is None and kv:
+        from .kv_events import KVEventSubscriber, PublisherAddress
+
+        subscriber = KVEventSubscriber(
+            {b.url: PublisherAddress(str(b.kv_events), b.kv_replay) for b in kv},
+            hasher=BlockHasher(block_size=config.engine_block_size),
+        )
+        index = subscriber.index
+    router = _Router(config, codec, index)
+    router.subscriber = subscriber
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        router.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(config.timeout_s, connect=5.0), limits=limits
+        )
+        if subscriber is not None:
+            subscriber.start()
+        router.health_task = asyncio.ensure_future(router.watch_health())
+        try:
+            yield
+        finally:
+            router.health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await router.health_task
+            if router.timer is not None:
+                router.timer.cancel()
+            await router.client.aclose()
+            if subscriber is not None:
+                subscriber.close()
+
+    app = FastAPI(title="prefixflight route", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.router = router
+    app.add_middleware(BodyLimits, max_bytes=config.max_body_bytes, timeout=config.client_timeout)
+    if config.api_keys:
+        app.add_middleware(ApiKeys, keys=config.api_keys)  # outermost: before any body is read
+
+    @app.exception_handler(HttpError)
+    async def http_error(_r: Request, exc: HttpError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(HTTPException)
+    async def starlette_error(_r: Request, exc: HTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _error_response(
+            HttpError(exc.status_code, str(exc.detail), kind, headers=exc.headers)
+        )
+
+    @app.exception_handler(Exception)
+    async def crashed(_r: Request, exc: Exception) -> JSONResponse:
+        return _error_response(
+            HttpError(500, f"internal router error ({type(exc).__name__})", "server_error")
+        )
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not any(router.up.values()):
+            raise HttpError(503, "no backend is up", "service_unavailable")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(router.scrape(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await forward("GET", "/v1/models", request, None)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await forward("POST", "/tokenize", request, await request.body())
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await forward("POST", "/detokenize", request, await request.body())
+
+    async def forward(method: str, path: str, request: Request, body: bytes | None) -> Response:
+        """A stateless call: to the least loaded live backend."""
+        name = router.least_loaded()
+        if name is None:
+            raise HttpError(503, "no backend is up", "service_unavailable")
+        if method == "POST":
+            assert body is not None
+            return await router.relay(path.strip("/"), path, request, body, name)
+        router.count(name, +1)
+        try:
+            upstream = await router.send(name, method, path, request, None)
+        except httpx.HTTPError as exc:
+            router.count(name, -1)
+            raise HttpError(502, f"backend {name} failed: {exc}", "bad_gateway") from None
+        return await router.answer(name, upstream)
+
+    async def generate(endpoint: str, path: str, request: Request) -> Response:
+        if router.draining:
+            raise HttpError(503, "the router is shutting down", "service_unavailable")
+        body = await request.body()
+        try:
+            parsed = json.loads(body)
+        except (ValueError, RecursionError):
+            raise HttpError(400, "the request body is not valid JSON") from None
+        if not isinstance(parsed, dict):
+            raise HttpError(400, "the request body must be a JSON object")
+        if router.total_in_flight >= config.max_in_flight:
+            router.metrics.rejected.labels("overloaded").inc()
+            raise HttpError(
+                429,
+                f"the router is overloaded: {router.total_in_flight} requests in flight, the "
+                f"limit is {config.max_in_flight}; retry later",
+                "rate_limit_exceeded",
+                headers={"Retry-After": "1"},
+            )
+        tenant = getattr(request.state, "tenant", None)  # set by ApiKeys with a keys file
+        prompt = await route_prompt(endpoint, parsed, router.codec, tenant=tenant)
+        rid = uuid.uuid4().hex
+        name = await router.choose(rid, prompt)
+        return await router.relay(endpoint, path, request, body, name)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate("completions", "/v1/completions", request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await generate("chat", "/v1/chat/completions", request)
+
+    return app
+
+
+def route_server(app: FastAPI, *, log_level: str = "warning", access_log: bool = False) -> Any:
+    """The uvicorn server for a router app (from `build_route_app`), as ``prefixflight
+    serve``'s: a deadline for request headers, the keep-alive timeout, and a shutdown that
+    first stops accepting, then lets the relayed requests finish for ``shutdown_timeout``."""
+    import uvicorn
+
+    router: _Router = app.state.router
+    config = router.config
+    uv = uvicorn.Config(
+        app,
+        log_level=log_level,
+        access_log=access_log,
+        http=HeaderDeadline.with_timeout(config.client_timeout),
+        timeout_keep_alive=max(1, round(config.keep_alive_timeout)),
+        timeout_graceful_shutdown=max(1, round(config.client_timeout)),
+        lifespan="on",
+    )
+    return GracefulServer(uv, router.drain)
+
+
+def serve(
+    app: FastAPI, sock: socket.socket, *, log_level: str = "warning", access_log: bool = False
+) -> None:
+    """Serve a router app on an already bound socket until SIGINT or SIGTERM, then shut
+    down gracefully (`route_server`) and return normally."""
+    from .http import _sigterm_returns
+
+    server = route_server(app, log_level=log_level, access_log=access_log)
+    with _sigterm_returns():
+        asyncio.run(server.serve(sockets=[sock]))

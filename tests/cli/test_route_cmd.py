@@ -1,0 +1,107 @@
+"""``prefixflight route``: flag mistakes are one-line usage errors (exit 2), and the command
+serves (a subprocess on a free loopback port) and stops on Ctrl-C or SIGTERM with exit 0."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from prefixflight.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--backend", "localhost:8000"], "must start with http:// or https://"),
+        (["--backend", "http://h:1", "--backend", "http://h:1"], "must be unique"),
+        (
+            ["--backend", "http://h:1", "--backend", "http://h:2", "--kv-events", "tcp://h:5"],
+            "--kv-events was given 1 times for 2 backends",
+        ),
+        (["--backend", "http://h:1", "--kv-events", "h:5557"], "--kv-events must be a ZMQ"),
+        (["--backend", "http://h:1", "--kv-events-replay", "tcp://h:6"], "needs --kv-events"),
+        (["--backend", "http://h:1", "--window-ms", "20", "--lone-wait-ms", "30"], "lone_wait_ms"),
+        (["--backend", "http://h:1", "--policy", "random"], "invalid choice: 'random'"),
+        (["--backend", "http://h:1", "--max-per-replica", "0"], "max_per_replica"),
+        (["--backend", "http://h:1", "--port", "70000"], "a port is at most 65535"),
+        ([], "the following arguments are required: --backend"),
+    ],
+)
+def test_flag_mistakes_are_usage_errors(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["route", *argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    (line,) = [ln for ln in err.splitlines() if "error:" in ln]
+    assert line.startswith("prefixflight route: error:") and message in line, line
+    assert "Traceback" not in err
+
+
+def test_a_tokenizer_that_cannot_be_read_is_a_one_line_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("transformers")
+    pytest.importorskip("fastapi")
+    assert main(["route", "--backend", "http://h:1", "--tokenizer", str(tmp_path)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"prefixflight route: error: --tokenizer {tmp_path}: cannot load")
+    assert len(err.splitlines()) == 1
+
+
+def _closed_port_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_the_command_serves_and_stops_gracefully(stop: signal.Signals) -> None:
+    pytest.importorskip("fastapi")
+    httpx = pytest.importorskip("httpx")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT / d) for d in ("core", "specs", "backends", "serve")]
+    )
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "prefixflight.cli",
+            "route",
+            "--backend",
+            _closed_port_url(),
+            "--port",
+            "0",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert proc.stderr is not None
+        line = proc.stderr.readline()
+        assert line.startswith("prefixflight route: http://127.0.0.1:"), line
+        url = line.split()[2]
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+        r = httpx.post(url + "/v1/completions", json={"prompt": "x"}, timeout=10)
+        assert r.status_code == 503  # its one backend refuses connections
+        assert r.json()["error"]["message"] == "no backend is up"
+        assert httpx.get(url + "/health", timeout=10).status_code == 503
+    finally:
+        proc.send_signal(stop)
+        code = proc.wait(timeout=30)
+        assert proc.stderr is not None
+        rest = proc.stderr.read()
+        proc.stderr.close()
+    assert code == 0, rest
+    assert "Traceback" not in rest

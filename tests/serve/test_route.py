@@ -1,0 +1,334 @@
+"""``prefixflight route`` for real: two tiny-model ``prefixflight serve`` backends (each with
+its KV-event publisher), the router in front on a free loopback port, driven by the openai
+client and httpx. Where a request ran is read from the backends' own answers and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+prometheus_parser = pytest.importorskip("prometheus_client.parser")
+
+from .conftest import MODEL_NAME, PAGE, CharCodec, ServerThread  # noqa: E402
+
+pytestmark = pytest.mark.torch
+WAIT = 30.0
+
+
+def until(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + WAIT
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)  # polling a real condition, bounded above
+
+
+class Backend:
+    """A tiny-model server publishing its KV events on a free loopback port."""
+
+    def __init__(self, model: Any) -> None:
+        from prefixflight.backends.torch import AsyncEngine, EngineConfig
+        from prefixflight.serve.http import ServerConfig, build_app
+        from prefixflight.serve.kv_events import KVEventPublisher
+
+        self.publisher = KVEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*")
+        engine = AsyncEngine.from_model(
+            model,
+            EngineConfig(page_size=PAGE, max_batch_tokens=256, num_pages=1024, max_running=16),
+            eos_token_ids=[CharCodec.EOS],
+            event_sink=self.publisher,
+            device="cpu",
+        )
+        self.server = ServerThread(
+            build_app(engine, CharCodec(), ServerConfig(model_name=MODEL_NAME))
+        )
+        self.server.start()
+        self.url = self.server.base_url
+
+    def requests_served(self) -> float:
+        """Prompt tokens this backend has seen (its own vllm:prompt_tokens counter)."""
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        total = 0.0
+        for family in prometheus_parser.text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name == "vllm:prompt_tokens_total":
+                    total += s.value
+        return total
+
+    def unfinished(self) -> bool:
+        async def read() -> bool:
+            app: Any = self.server.server.config.app
+            engine = app.state.server.engine
+            return bool(engine.scheduler.has_unfinished)
+
+        return bool(self.server.call(read()))
+
+    def stop(self) -> None:
+        self.server.stop()
+        self.publisher.close()
+
+
+@pytest.fixture(scope="module")
+def backends(tiny: Any) -> Iterator[list[Backend]]:
+    started = [Backend(tiny), Backend(tiny)]
+    yield started
+    for b in started:
+        b.stop()
+
+
+@pytest.fixture
+def start_router(backends: list[Backend]) -> Iterator[Callable[..., ServerThread]]:
+    """Start routers in front of the two backends (KV events followed); stopped after the test."""
+    from prefixflight.serve.route import Backend as RouteBackend
+    from prefixflight.serve.route import RouteConfig, build_route_app, route_server
+
+    started: list[ServerThread] = []
+
+    def start(urls: list[str] | None = None, *, kv: bool = True, **config: Any) -> ServerThread:
+        targets = [
+            RouteBackend(
+                url=b.url,
+                kv_events=b.publisher.endpoint if kv else None,
+                kv_replay=b.publisher.replay_endpoint if kv else None,
+            )
+            for b in backends
+        ]
+        if urls is not None:
+            targets = [RouteBackend(url=u) for u in urls]
+        config.setdefault("engine_block_size", PAGE)
+        app = build_route_app(RouteConfig(backends=tuple(targets), **config), codec=CharCodec())
+        started.append(ServerThread(app, make_server=route_server).start())
+        return started[-1]
+
+    yield start
+    for s in started:
+        s.stop()
+
+
+def client(server: ServerThread, **kw: Any) -> Any:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", **kw)
+
+
+def router_state(router: ServerThread) -> Any:
+    app: Any = router.server.config.app
+    return app.state.router
+
+
+def routed(router: ServerThread) -> dict[str, float]:
+    """Requests the router relayed, per backend (its own metrics)."""
+    text = httpx.get(router.base_url + "/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for family in prometheus_parser.text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "prefixflight_route_requests_total":
+                out[s.labels["backend"]] = out.get(s.labels["backend"], 0.0) + s.value
+    return out
+
+
+def prompt(n: int = 40) -> str:
+    return (uuid.uuid4().hex * (n // 32 + 1))[:n]
+
+
+async def burst(base_url: str, text: str, n: int, **kw: Any) -> list[Any]:
+    async with openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused") as c:
+        return list(
+            await asyncio.gather(
+                *(
+                    c.completions.create(model=MODEL_NAME, prompt=text, max_tokens=4, **kw)
+                    for _ in range(n)
+                )
+            )
+        )
+
+
+# -- placement ---------------------------------------------------------------------------------
+def test_a_burst_of_identical_prompts_lands_on_one_backend(
+    start_router: Callable[..., ServerThread], backends: list[Backend]
+) -> None:
+    router = start_router(policy="burst")
+    before = [b.requests_served() for b in backends]
+    text = prompt(41)
+    answers = asyncio.run(burst(router.base_url, text, 8, temperature=0))
+    grew = [b.requests_served() - x for b, x in zip(backends, before, strict=True)]
+    assert sorted(grew) == [0.0, 8 * 41.0], grew  # all 8 on one backend
+    assert len({a.choices[0].text for a in answers}) == 1  # greedy: one answer
+    assert sum(routed(router).values()) == 8
+
+
+def test_round_robin_alternates(start_router: Callable[..., ServerThread]) -> None:
+    router = start_router(policy="round_robin")
+    c = client(router)
+    for _ in range(4):
+        c.completions.create(model=MODEL_NAME, prompt=prompt(), max_tokens=2)
+    assert sorted(routed(router).values()) == [2.0, 2.0]
+
+
+def test_a_lone_request_goes_where_its_prefix_is_resident_per_the_kv_events(
+    start_router: Callable[..., ServerThread], backends: list[Backend]
+) -> None:
+    """Each prompt is first sent to one backend directly; the router, which saw none of
+    them, learns from the backends' KV events where they are and sends each there."""
+    from prefixflight.core import BlockHasher
+
+    router = start_router(policy="prefix")
+    state = router_state(router)
+    index = state.subscriber.index
+    hasher = BlockHasher(block_size=PAGE)
+    warm = [(prompt(40), backends[i % 2]) for i in range(6)]
+    for text, backend in warm:
+        client(backend.server).completions.create(model=MODEL_NAME, prompt=text, max_tokens=1)
+        blocks = hasher.hash_tokens(CharCodec().encode(text))
+        url = backend.url
+        until(lambda: index.prefix_blocks(url, blocks) == len(blocks), "the KV events")  # noqa: B023
+    for text, backend in warm:
+        before = backend.requests_served()
+        client(router).completions.create(model=MODEL_NAME, prompt=text, max_tokens=1)
+        assert backend.requests_served() == before + 40, "routed away from its resident prefix"
+
+
+# -- relaying ----------------------------------------------------------------------------------
+def test_streams_pass_through_chunk_by_chunk(start_router: Callable[..., ServerThread]) -> None:
+    router = start_router(policy="burst", burst=_window(5))
+    text = prompt(30)
+    whole = client(router).completions.create(
+        model=MODEL_NAME, prompt=text, max_tokens=12, temperature=0
+    )
+    parts = list(
+        client(router).completions.create(
+            model=MODEL_NAME, prompt=text, max_tokens=12, temperature=0, stream=True
+        )
+    )
+    assert len(parts) > 1
+    assert "".join(p.choices[0].text for p in parts) == whole.choices[0].text
+    chat = client(router).chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=3, stream=True
+    )
+    assert next(c.choices[0].delta.role for c in chat) == "assistant"
+    raw = httpx.post(
+        router.base_url + "/v1/completions",
+        json={"model": MODEL_NAME, "prompt": text, "max_tokens": 3, "stream": True},
+        timeout=30,
+    )
+    assert raw.headers["content-type"].startswith("text/event-stream")
+    assert raw.text.endswith("data: [DONE]\n\n")
+
+
+def test_models_health_metrics_and_tokenize(start_router: Callable[..., ServerThread]) -> None:
+    router = start_router()
+    assert [m.id for m in client(router).models.list()] == [MODEL_NAME]
+    assert httpx.get(router.base_url + "/health").status_code == 200
+    got = httpx.post(router.base_url + "/tokenize", json={"prompt": "abc"}).json()
+    assert got["tokens"] == CharCodec().encode("abc")
+    text = httpx.get(router.base_url + "/metrics").text
+    assert "prefixflight_route_backend_up" in text and "prefixflight_route_kv_blocks" in text
+
+
+def test_a_backends_error_passes_through(start_router: Callable[..., ServerThread]) -> None:
+    router = start_router()
+    with pytest.raises(openai.NotFoundError) as info:
+        client(router).completions.create(model="no-such-model", prompt="hello", max_tokens=2)
+    assert "no-such-model" in str(info.value)
+
+
+def test_a_client_that_leaves_mid_stream_aborts_the_request_upstream(
+    start_router: Callable[..., ServerThread], backends: list[Backend]
+) -> None:
+    router = start_router(policy="round_robin")
+    body = {
+        "model": MODEL_NAME,
+        "prompt": prompt(20),
+        "max_tokens": 1500,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream("POST", router.base_url + "/v1/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        first = next(r.iter_raw())  # the first chunk arrived: the request runs on a backend
+        assert any(b.unfinished() for b in backends), first
+    until(lambda: not any(b.unfinished() for b in backends), "the backend to abort it")
+    until(lambda: router_state(router).total_in_flight == 0, "the router's count")
+
+
+# -- errors and limits -------------------------------------------------------------------------
+def test_bad_bodies_are_refused_naming_the_problem(
+    start_router: Callable[..., ServerThread],
+) -> None:
+    router = start_router(max_body_bytes=2000)
+    url = router.base_url + "/v1/completions"
+    r = httpx.post(url, content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = httpx.post(url, json={"model": MODEL_NAME, "prompt": 7})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    r = httpx.post(url + "/../chat/completions", json={"messages": "hi"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = httpx.post(url, json={"model": MODEL_NAME, "prompt": "x" * 3000})
+    assert r.status_code == 413 and "the limit is 2000" in r.json()["error"]["message"]
+    assert sum(routed(router).values()) == 0  # none of them reached a backend
+
+
+def test_api_keys(start_router: Callable[..., ServerThread]) -> None:
+    router = start_router(api_keys={"k1": None, "k2": None})
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=router.base_url + "/v1", api_key="wrong").models.list()
+    c = openai.OpenAI(base_url=router.base_url + "/v1", api_key="k2")
+    assert c.completions.create(model=MODEL_NAME, prompt="hello", max_tokens=1).choices
+    assert httpx.get(router.base_url + "/health").status_code == 200  # probes need no key
+
+
+def test_a_dead_backend_is_skipped_and_all_dead_is_503(
+    start_router: Callable[..., ServerThread], backends: list[Backend]
+) -> None:
+    dead = _closed_port_url()
+    router = start_router([dead, backends[0].url], policy="round_robin", health_interval_s=60)
+    c = client(router)
+    for _ in range(4):
+        assert c.completions.create(model=MODEL_NAME, prompt=prompt(), max_tokens=1).choices
+    assert routed(router) == {backends[0].url: 4.0}
+    assert router_state(router).up[dead] is False
+    only_dead = start_router([dead], policy="round_robin", health_interval_s=60)
+    with pytest.raises(openai.InternalServerError) as info:
+        client(only_dead, max_retries=0).completions.create(
+            model=MODEL_NAME, prompt="x", max_tokens=1
+        )
+    assert info.value.status_code == 503
+    assert httpx.get(only_dead.base_url + "/health").status_code == 503
+
+
+def test_config_mistakes_name_the_value() -> None:
+    from prefixflight.core import ConfigError
+    from prefixflight.serve.route import Backend as RouteBackend
+    from prefixflight.serve.route import RouteConfig
+
+    with pytest.raises(ConfigError, match="'localhost:8000'"):
+        RouteBackend(url="localhost:8000")
+    with pytest.raises(ConfigError, match="without /v1"):
+        RouteBackend(url="http://h:1/v1")
+    with pytest.raises(ConfigError, match="kv_events must be a ZMQ address"):
+        RouteBackend(url="http://h:1", kv_events="h:5557")
+    with pytest.raises(ConfigError, match="unique"):
+        RouteConfig(backends=(RouteBackend(url="http://h:1"), RouteBackend(url="http://h:1")))
+    with pytest.raises(ConfigError, match="policy must be one of"):
+        RouteConfig(backends=(RouteBackend(url="http://h:1"),), policy="random")  # type: ignore[arg-type]
+
+
+def _window(ms: int) -> Any:
+    from prefixflight.core import BurstConfig
+
+    return BurstConfig(window_ms=ms)
+
+
+def _closed_port_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
