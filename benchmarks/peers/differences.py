@@ -9,13 +9,18 @@ Hypothesis: the minimal example docs/conformance.md quotes. Run in the peers env
         --json docs/results/conformance_differences.json
 
 A field set back that finds nothing is reported as such (the declaration is then not needed
-at that many examples).
+at that many examples). A case with nothing set back runs a configuration the shipped
+adapter leaves out and records what the machine finds there (vLLM's scheduler under
+priority scheduling with a long-prefill threshold: a possible bug, found in more examples).
+``--case NAME`` runs only those cases, merging their rows into an existing ``--json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -23,12 +28,18 @@ from typing import Any
 
 import attrs
 
-from prefixflight.specs import PrefixEngineConformance, S3FIFOConformance, isolated
+from prefixflight.specs import (
+    PrefixEngineConformance,
+    S3FIFOConformance,
+    SchedulerConformance,
+    isolated,
+)
 from prefixflight.specs._conform import _run
 from prefixflight.specs.adapters import (
     LibCacheSimS3FIFO,
     SGLangAdapter,
     VLLMAdapter,
+    VLLMSchedulerAdapter,
     libcachesim_s3fifo_configs,
 )
 
@@ -72,7 +83,22 @@ CASES: dict[str, tuple[Callable[[Any], type[Any]], Any, list[dict[str, Any]]]] =
         LibCacheSimS3FIFO.semantics,
         [{"promote_at": 1}, {"small_queue": "bounded", "min_small_blocks": 1}],
     ),
+    "vllm scheduler": (
+        lambda sem: SchedulerConformance.for_adapter(VLLMSchedulerAdapter, semantics=sem),
+        VLLMSchedulerAdapter.semantics,
+        [{"same_step_reads": "declared"}, {"preemption": "none"}],
+    ),
+    "vllm scheduler, priority, long_prefill_token_threshold=4": (
+        lambda sem: SchedulerConformance.for_adapter(
+            functools.partial(VLLMSchedulerAdapter, long_prefill_token_threshold=4),
+            semantics=sem,
+        ),
+        attrs.evolve(VLLMSchedulerAdapter.semantics, policies={"priority"}, chunking="any"),
+        [{}],
+    ),
 }
+EXAMPLES = {"vllm scheduler, priority, long_prefill_token_threshold=4": 3000}
+"""Cases that need more examples than ``--examples`` to find what they find."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,13 +107,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write the findings here")
+    ap.add_argument("--case", choices=sorted(CASES), action="append", help="repeatable")
     args = ap.parse_args(argv)
     rows: list[dict[str, Any]] = []
     for engine, (machine_for, declared, reverts) in CASES.items():
+        if args.case and engine not in args.case:
+            continue
+        examples = max(args.examples, EXAMPLES.get(engine, 0))
         for revert in reverts:
             sem = attrs.evolve(declared, **revert)
             t0 = time.perf_counter()
-            message, example = _run(machine_for(sem), args.examples, args.steps, args.seed)
+            message, example = _run(machine_for(sem), examples, args.steps, args.seed)
             steps = [line for line in example if not line.startswith("Draw ")]
             set_back = {k: sorted(v) if isinstance(v, set) else v for k, v in revert.items()}
             rows.append(
@@ -97,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                     "declared": {k: getattr(declared, k) for k in revert if k != "ops"},
                     "found": message,
                     "example": steps,
+                    "examples": examples,
                     "seconds": round(time.perf_counter() - t0, 1),
                 }
             )
@@ -104,9 +135,15 @@ def main(argv: list[str] | None = None) -> int:
             for line in steps:
                 if not line.startswith("state."):
                     print(f"    {line}", flush=True)
+    command = "benchmarks/peers/differences.py " + " ".join(sys.argv[1:])
+    if args.json and args.case and os.path.exists(args.json):
+        with open(args.json, encoding="utf-8") as fh:
+            old = json.load(fh)
+        rows = [r for r in old["rows"] if r["engine"] not in args.case] + rows
+        command = f"{old['command']}; then {command}"
     if args.json:
         doc = {
-            "command": "benchmarks/peers/differences.py " + " ".join(sys.argv[1:]),
+            "command": command,
             "examples": args.examples,
             "steps": args.steps,
             "seed": args.seed,

@@ -15,7 +15,9 @@ import pytest
 from prefixflight.cli import main
 
 _BROKEN = '''
-from prefixflight.core import LRU
+import attrs
+
+from prefixflight.core import LRU, Scheduler
 from prefixflight.core.flight._pages import PagePool
 
 
@@ -31,6 +33,13 @@ class StaleLRU(LRU):
 
     def access(self, blocks):
         return super().access([b for b in blocks if b not in self])
+
+
+class SilentFinish(Scheduler):
+    """complete_step reports no finished requests."""
+
+    def complete_step(self, result, now):
+        return attrs.evolve(super().complete_step(result, now), finished=())
 
 
 class NotAClass:
@@ -61,9 +70,13 @@ def test_prefixflight_passes_and_the_json_says_what_ran(
     assert "declared differences:\n    hit_cap=n-1 (default full)" in text
     doc = json.loads(out.read_text())
     assert doc["engine"] == "prefixflight" and doc["passed"] is True
-    engine, s3fifo, lru = doc["checks"]
-    assert (engine["name"], s3fifo["name"], lru["name"]) == ("engine", "s3fifo", "lru")
+    engine, s3fifo, _, sched = doc["checks"]
+    assert [c["name"] for c in doc["checks"]] == ["engine", "s3fifo", "lru", "scheduler"]
     assert engine["rules"] == ["admit", "finish"]
+    assert sched["machine"] == "SchedulerConformance" and sched["declared"] == []
+    assert sched["adapter"] == "PrefixflightSchedulerAdapter"
+    assert sched["semantics"]["same_step_reads"] == "declared"
+    assert "prefixflight scheduler: SchedulerConformance over" in text
     assert s3fifo["rules"] == ["access", "pin", "unpin", "misuse", "remove", "evict"]
     assert {d["name"] for d in engine["declared"]} == {"hit_cap", "touch", "capacity", "orphans"}
     assert engine["semantics"]["evictions"] == "reported"
@@ -76,6 +89,7 @@ def test_prefixflight_passes_and_the_json_says_what_ran(
     [
         ("LeakyPool", "engine", "leaked"),
         ("StaleLRU", "lru", "the implementation"),
+        ("SilentFinish", "scheduler", "the scheduler says go on"),
     ],
 )
 def test_a_broken_fork_exits_1_with_its_shrunk_example(
@@ -102,6 +116,12 @@ def test_a_broken_fork_exits_1_with_its_shrunk_example(
         (["prefixflight", "--impl", "justaname"], "expected MODULE:CLASS"),
         (["prefixflight", "--examples", "0"], "must be >= 1"),
         (["tensorrt"], "invalid choice"),
+        (["prefixflight", "--check", "nope"], "invalid choice: 'nope'"),
+        (["sglang", "--check", "scheduler"], "sglang has no check 'scheduler'; its checks: engine"),
+        (
+            ["prefixflight", "--check", "lru", "--impl", "forks:SilentFinish"],
+            "is not a subclass of any of prefixflight.core:LRU",
+        ),
     ],
 )
 def test_usage_errors_exit_2_with_one_line(tmp_path: Path, args: list[str], says: str) -> None:
@@ -137,3 +157,19 @@ def test_the_engine_modules_import_without_their_engines() -> None:
         """
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_check_runs_only_the_checks_named(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["prefixflight", "--check", "scheduler", "--check", "lru", "--examples", "5"]
+    assert main(["conform", *args, "--seed", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "prefixflight lru:" in text and "prefixflight scheduler:" in text
+    assert "prefixflight engine:" not in text and "prefixflight s3fifo:" not in text
+
+
+def test_the_cli_knows_every_check_name() -> None:
+    """The CLI's --check choices (it cannot import the specs to list them) are the specs'."""
+    from prefixflight.cli._conform_cmd import _CHECKS
+    from prefixflight.specs._conform import CHECKS
+
+    assert _CHECKS == CHECKS

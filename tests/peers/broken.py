@@ -10,6 +10,8 @@ from typing import Any
 import libcachesim
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import RequestStatus
 
 from prefixflight.specs.adapters import stub_torchvision
 
@@ -45,6 +47,45 @@ class HeadFirstBlockPool(BlockPool):
 
     def free_blocks(self, ordered_blocks: Any) -> None:
         super().free_blocks(list(ordered_blocks)[::-1])
+
+
+class FreedPrefixScheduler(Scheduler):
+    """Releases the prefix-hit blocks of every request it admits: the request then runs on
+    blocks the pool may hand to another request."""
+
+    def schedule(self, throttle_prefills: bool = False) -> Any:
+        out = super().schedule(throttle_prefills)
+        pool = self.kv_cache_manager.block_pool
+        for new in out.scheduled_new_reqs:
+            hit = new.num_computed_tokens // self.block_size
+            if hit:
+                pool.free_blocks(self.kv_cache_manager.get_blocks(new.req_id).blocks[0][:hit])
+        return out
+
+
+class LeakyAbortScheduler(Scheduler):
+    """An abort that forgets the request's last block: it is never returned to the pool."""
+
+    def finish_requests(self, request_ids: Any, finished_status: Any) -> Any:
+        if finished_status == RequestStatus.FINISHED_ABORTED:
+            ids = [request_ids] if isinstance(request_ids, str) else list(request_ids or ())
+            for manager in self.kv_cache_manager.coordinator.single_type_managers:
+                for rid in ids:
+                    blocks = manager.req_to_blocks.get(rid)
+                    if blocks:
+                        blocks.pop()
+        return super().finish_requests(request_ids, finished_status)
+
+
+class DroppingScheduler(Scheduler):
+    """Drops the output of every request that finishes in a step (its last token and its
+    finish reason never reach the client)."""
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        for eco in outputs.values():
+            eco.outputs = [o for o in eco.outputs if o.finish_reason is None]
+        return outputs
 
 
 # -- SGLang ----------------------------------------------------------------------------------

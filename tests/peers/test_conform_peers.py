@@ -1,6 +1,6 @@
 """vLLM, SGLang and libCacheSim under the kit, in their own environment: each passes with its
-declared differences; broken subclasses of their real classes are caught through --impl; and
-libCacheSim's crashes come back as findings, shrunk.
+declared differences; broken subclasses of their real classes are caught through --impl;
+libCacheSim's crashes come back as findings, shrunk; vLLM's scheduler finding replays.
 
 One process per engine runs ``prefixflight conform`` as shipped and then once per broken
 class (``run_impls.py``), so each engine is imported once."""
@@ -22,11 +22,15 @@ pytestmark = pytest.mark.peers
 _ENGINES: dict[str, tuple[dict[str, list[str]], dict[str, str]]] = {
     "vllm": (
         {"engine": ["hit_cap", "publish", "touch", "pins", "capacity", "duplicates",
-                    "invalidated"]},
+                    "invalidated"],
+         "scheduler": ["same_step_reads", "preemption"]},
         {
             "UnderReportingKVCacheManager": "the engine hit 0 tokens, the reference hit 16",
             "LeakyKVCacheManager": "leaked",
             "HeadFirstBlockPool": "cached blocks differ",
+            "FreedPrefixScheduler": "freed while in use",
+            "LeakyAbortScheduler": "a reference leaked",
+            "DroppingScheduler": "nothing was delivered",
         },
     ),
     "sglang": (
@@ -86,3 +90,17 @@ def test_libcachesim_crashes_are_findings(peers_python: Path) -> None:
     assert "Invalid cache size configuration" in s3fifo["stderr"]
     assert lru["signal"] == 11 and lru["call"] == "evict()"  # SIGSEGV on an empty LRU
     assert lru["steps"][-2:] == ["state.evict()", "state.teardown()"]
+
+
+def test_vllm_priority_preemption_leaves_uncomputed_blocks_cached(peers_python: Path) -> None:
+    """The scheduler machine's finding in vLLM, replayed: under priority scheduling with a
+    long-prefill threshold, a request preempted after it was scheduled in the same step
+    leaves a block registered whose KV is never computed (the same sequence under FCFS
+    passes); the standalone reproduction exits 1 while vLLM does this."""
+    found = _run(peers_python, str(HERE / "vllm_findings.py"))
+    assert found["priority"] == (
+        "step 3 (r1[10:13]*): page 2 caches block a.a.a, but its position 10 holds nothing"
+    )
+    assert found["fcfs"] is None
+    assert found["repro"]["returncode"] == 1, found["repro"]["stdout"]
+    assert "REPRODUCED" in found["repro"]["stdout"]

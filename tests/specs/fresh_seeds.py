@@ -31,6 +31,7 @@ from prefixflight.specs import (
     LRUCurveConformance,
     PrefixEngineConformance,
     S3FIFOConformance,
+    SchedulerConformance,
     SchedulerMachine,
 )
 
@@ -42,6 +43,7 @@ MACHINES: dict[str, type[RuleBasedStateMachine]] = {
     "curve": LRUCurveConformance,
     "flight": FlightCoordinatorMachine,
     "scheduler": SchedulerMachine,
+    "sched-conformance": SchedulerConformance,
     "router": BurstRouterConformance,
 }
 

@@ -2,7 +2,8 @@
 
 Runs the conformance machines of ``prefixflight.specs`` over the engine's declared adapter
 (``prefixflight.specs.adapters``): its prefix cache under `PrefixEngineConformance`, its
-eviction policies under the policy machines. Exit status 0 when the engine matches the spec
+eviction policies under the policy machines, its scheduler under `SchedulerConformance`
+(``--check`` picks some of them). Exit status 0 when the engine matches the spec
 up to its declared differences, 1 when an undeclared difference is found (printed with its
 shrunk example), 2 for usage errors (an unknown engine, a bad ``--impl``, an engine that
 cannot be imported here). vLLM, SGLang and libCacheSim are imported only when their check
@@ -25,18 +26,20 @@ from ._io import write_atomic, write_stdout
 __all__ = ["format_report", "register", "run"]
 
 _ENGINES = ("vllm", "sglang", "libcachesim", "prefixflight")
+_CHECKS = ("engine", "lru", "s3fifo", "scheduler")  # pinned against specs' CHECKS by a test
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "conform",
-        help="fuzz an engine's prefix cache (vLLM, SGLang, libCacheSim, ours) against the spec",
+        help="fuzz an engine's prefix cache or scheduler (vLLM, SGLang, libCacheSim, ours) "
+        "against the spec",
         description=(
             "Drive ENGINE's own cache calls with requests sharing prefixes (or its eviction "
-            "policy with block streams), compare it with prefixflight's reference after every "
-            "step, and report every difference its adapter does not declare, shrunk to a "
-            "minimal example. Exit 0: matches up to its declared differences; 1: an "
-            "undeclared difference; 2: usage error."
+            "policy with block streams, or its scheduler as a model runner would), check it "
+            "against prefixflight's spec after every step, and report every difference its "
+            "adapter does not declare, shrunk to a minimal example. Exit 0: matches up to its "
+            "declared differences; 1: an undeclared difference; 2: usage error."
         ),
     )
     p.add_argument("engine", choices=_ENGINES, metavar="ENGINE", help=", ".join(_ENGINES))
@@ -45,6 +48,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         metavar="MODULE:CLASS",
         help="a drop-in replacement for the engine's class (a subclass, built with the "
         "original's arguments), to fuzz a fork; MODULE is imported from the current directory",
+    )
+    p.add_argument(
+        "--check",
+        choices=_CHECKS,
+        action="append",
+        metavar="NAME",
+        help=f"run only this check of the engine ({', '.join(_CHECKS)}; repeatable; "
+        "default: all of them)",
     )
     p.add_argument(
         "--examples", type=at_least(1), default=100, metavar="N", help="examples per check"
@@ -101,12 +112,14 @@ def run(args: argparse.Namespace) -> int:
             examples=args.examples,
             steps=args.steps,
             seed=args.seed,
+            checks=args.check,
             log=lambda s: print(f"conform: {s}", file=sys.stderr, flush=True),
         )
     except UsageError as exc:
         parser.error(str(exc))
     doc = report.to_json()
     replay = f"prefixflight conform {args.engine} --examples {args.examples} --steps {args.steps}"
+    replay += "".join(f" --check {c}" for c in args.check or ())
     if args.impl:
         replay += f" --impl {args.impl}"
     write_stdout(format_report(doc, replay))

@@ -5,11 +5,13 @@ your own implementation::
 
     run_state_machine_as_test(S3FIFOConformance.for_factory(MyS3FIFO))
     run_state_machine_as_test(PrefixEngineConformance.for_adapter(MyEngineAdapter))
+    run_state_machine_as_test(SchedulerConformance.for_adapter(MySchedulerAdapter))
 
 An implementation declares how it differs from prefixflight's semantics (`EngineSemantics`,
-`PolicySemantics`) and the machines follow the declaration; `prefixflight.specs.adapters`
-has the declared adapters of vLLM, SGLang and libCacheSim (``prefixflight conform`` runs
-them). `isolated` runs an implementation in a worker process, so a crash is a finding.
+`PolicySemantics`, `SchedulerSemantics`) and the machines follow the declaration;
+`prefixflight.specs.adapters` has the declared adapters of vLLM (its cache and its
+scheduler), SGLang and libCacheSim (``prefixflight conform`` runs them). `isolated` runs an
+implementation in a worker process, so a crash is a finding.
 
 `FakeBackend` (a development backend for a host loop) and the reference models need only
 ``prefixflight.core``: the modules that import Hypothesis are loaded on first use of one of
@@ -28,12 +30,20 @@ from ._declare import (
     EngineCrashed,
     EngineSemantics,
     PolicySemantics,
+    SchedulerSemantics,
     Unsupported,
     declared_differences,
 )
 from ._engine_ref import ReferencePrefixEngine
 from ._isolate import isolated
 from ._reference import ReferenceLRU, ReferenceReplay, ReferenceS3FIFO, reference_replay
+from ._sched_adapter import (
+    Delivery,
+    ScheduledRow,
+    SchedulerAdapter,
+    SchedulerLimits,
+    SchedulerPages,
+)
 
 if TYPE_CHECKING:
     from ._cache_machine import CacheConformance
@@ -51,6 +61,7 @@ if TYPE_CHECKING:
         replica_loads,
         route_batches,
     )
+    from ._sched_machine import SchedulerConformance, sampled_token
     from ._scheduler import SchedulerFactory, SchedulerMachine
     from ._strategies import policy_configs, s3fifo_configs, small_ratios, trace_records, traces
 
@@ -74,6 +85,8 @@ _LAZY = {
     "reference_assign": "_router",
     "replica_loads": "_router",
     "route_batches": "_router",
+    "SchedulerConformance": "_sched_machine",
+    "sampled_token": "_sched_machine",
     "SchedulerFactory": "_scheduler",
     "SchedulerMachine": "_scheduler",
     "policy_configs": "_strategies",
@@ -101,6 +114,7 @@ __all__ = [
     "BurstRouterConformance",
     "CacheConformance",
     "CoordinatorUnderTest",
+    "Delivery",
     "EngineAdapter",
     "EngineCrashed",
     "EngineSemantics",
@@ -121,8 +135,14 @@ __all__ = [
     "ReferenceS3FIFO",
     "ReferenceWindow",
     "S3FIFOConformance",
+    "ScheduledRow",
+    "SchedulerAdapter",
+    "SchedulerConformance",
     "SchedulerFactory",
+    "SchedulerLimits",
     "SchedulerMachine",
+    "SchedulerPages",
+    "SchedulerSemantics",
     "Unsupported",
     "WindowedRouter",
     "burst_configs",
@@ -135,6 +155,7 @@ __all__ = [
     "replica_loads",
     "route_batches",
     "s3fifo_configs",
+    "sampled_token",
     "small_ratios",
     "trace_records",
     "traces",

@@ -11,7 +11,18 @@ import attrs
 
 from ._engine_ref import Key
 
-__all__ = ["EngineAdapter", "KVChange", "PoolView", "chunk_tokens", "name_of", "semantics_of"]
+__all__ = [
+    "EngineAdapter",
+    "KVChange",
+    "PoolView",
+    "chunk_tokens",
+    "label",
+    "name_of",
+    "semantics_of",
+]
+
+ALPHABET = "abcd"
+"""The chunks the machines build prompts from: chunk ``i`` is named ``ALPHABET[i]``."""
 
 
 KVChange: TypeAlias = tuple[Literal["stored", "removed", "cleared"], "Key | None"]
@@ -22,6 +33,21 @@ cleared (``None``)."""
 def chunk_tokens(chunk: int, block_size: int) -> tuple[int, ...]:
     """The token ids of chunk ``chunk`` (``0`` is ``a``): real ids, distinct per chunk."""
     return tuple(1000 + 97 * chunk + i for i in range(block_size))
+
+
+def label(tokens: Sequence[int], block_size: int) -> str:
+    """A prompt or key by its chunks: ``a.b`` for two full blocks, ``a.b+5c`` when 5 tokens
+    of chunk ``c`` follow; a block that is no chunk (sampled tokens) is ``?``."""
+    names = {chunk_tokens(c, block_size): n for c, n in enumerate(ALPHABET)}
+    bs = block_size
+    full = len(tokens) - len(tokens) % bs
+    parts = [names.get(tuple(tokens[i : i + bs]), "?") for i in range(0, full, bs)]
+    head = ".".join(parts)
+    tail = tuple(tokens[full:])
+    if not tail:
+        return head
+    chunk = next((n for t, n in names.items() if t[: len(tail)] == tail), "?")
+    return f"{head}+{len(tail)}{chunk}" if head else f"{len(tail)}{chunk}"
 
 
 @attrs.frozen

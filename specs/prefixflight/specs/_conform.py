@@ -1,7 +1,8 @@
 """`conform`: run the conformance machines of one engine (``prefixflight conform ENGINE``).
 
-An engine is a list of checks: a machine class built over a declared adapter, and the
-engine class that ``impl`` may replace. `conform` runs each under one seed and returns a
+An engine is a list of checks: a machine class built over a declared adapter (its prefix
+cache, its eviction policies, its scheduler), and the engine class that ``impl`` may
+replace. `conform` runs each under one seed and returns a
 `ConformReport` that lists, per check, what was run (examples, steps, rules, seed), the
 declared differences, and the first undeclared difference with its shrunk example.
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 import functools
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from importlib import import_module
 from typing import Any
 
@@ -26,12 +27,13 @@ from hypothesis.stateful import run_state_machine_as_test
 from prefixflight.core import LRU, S3FIFO, UsageError
 
 from ._adapter import name_of
-from ._declare import EngineSemantics, PolicySemantics, declared_differences
+from ._declare import EngineSemantics, PolicySemantics, SchedulerSemantics, declared_differences
 from ._engine_machine import PrefixEngineConformance
 from ._isolate import isolated
 from ._machines import LRUConformance, PolicyConformance, S3FIFOConformance
+from ._sched_machine import SchedulerConformance
 
-__all__ = ["ENGINES", "Check", "CheckResult", "ConformReport", "conform", "load_class"]
+__all__ = ["CHECKS", "ENGINES", "Check", "CheckResult", "ConformReport", "conform", "load_class"]
 
 
 @attrs.frozen
@@ -54,6 +56,15 @@ def _engine(adapter: str, keyword: str = "impl") -> Callable[[type[Any] | None],
         cls = load_class(adapter)
         factory = cls if impl is None else functools.partial(cls, **{keyword: impl})
         return PrefixEngineConformance.for_adapter(factory)
+
+    return build
+
+
+def _scheduler(adapter: str, keyword: str = "impl") -> Callable[[type[Any] | None], type[Any]]:
+    def build(impl: type[Any] | None) -> type[Any]:
+        cls = load_class(adapter)
+        factory = cls if impl is None else functools.partial(cls, **{keyword: impl})
+        return SchedulerConformance.for_adapter(factory)
 
     return build
 
@@ -82,6 +93,11 @@ ENGINES: dict[str, tuple[Check, ...]] = {
         ),
         Check("s3fifo", "prefixflight.core:S3FIFO", _policy(S3FIFOConformance, None, S3FIFO)),
         Check("lru", "prefixflight.core:LRU", _policy(LRUConformance, None, LRU)),
+        Check(
+            "scheduler",
+            "prefixflight.core:Scheduler",
+            _scheduler(f"{_A}:PrefixflightSchedulerAdapter", "scheduler_cls"),
+        ),
     ),
     "vllm": (
         Check(
@@ -90,6 +106,11 @@ ENGINES: dict[str, tuple[Check, ...]] = {
             _engine(f"{_A}:VLLMAdapter"),
         ),
         Check("engine", "vllm.v1.core.block_pool:BlockPool", _engine(f"{_A}:VLLMAdapter")),
+        Check(
+            "scheduler",
+            "vllm.v1.core.sched.scheduler:Scheduler",
+            _scheduler(f"{_A}:VLLMSchedulerAdapter"),
+        ),
     ),
     "sglang": (
         Check(
@@ -114,7 +135,11 @@ ENGINES: dict[str, tuple[Check, ...]] = {
     ),
 }
 """Every engine ``prefixflight conform`` knows, with its checks (without ``--impl`` the
-first check of each name runs; with it, the checks whose ``base`` the class subclasses)."""
+first check of each name runs; with it, the checks whose ``base`` the class subclasses;
+``--check`` keeps only the checks of the names it gives)."""
+
+CHECKS = tuple(sorted({c.name for checks in ENGINES.values() for c in checks}))
+"""Every check name (``prefixflight conform --check``)."""
 
 
 def load_class(path: str) -> Any:
@@ -178,6 +203,8 @@ class ConformReport:
 
 def _rules(machine: type[Any]) -> tuple[str, ...]:
     sem = machine.semantics
+    if isinstance(sem, SchedulerSemantics):
+        return ("add", "add_identical", "schedule", "complete", "step", "abort", "drain")
     if isinstance(sem, EngineSemantics):
         return ("admit", "finish", *sorted(sem.ops))
     assert isinstance(sem, PolicySemantics)
@@ -236,18 +263,28 @@ def conform(
     examples: int = 100,
     steps: int = 50,
     seed: int | None = None,
+    checks: Sequence[str] | None = None,
     log: Callable[[str], None] | None = None,
 ) -> ConformReport:
-    """Run ``engine``'s checks (``impl``: a drop-in replacement for one of its classes).
+    """Run ``engine``'s checks (``impl``: a drop-in replacement for one of its classes;
+    ``checks``: only the checks of these names, e.g. ``["scheduler"]``).
 
-    Raises `UsageError` for an unknown engine, an ``impl`` that replaces none of its
-    classes, or an engine that cannot be imported here.
+    Raises `UsageError` for an unknown engine or check, an ``impl`` that replaces none of
+    its classes (of the checks chosen), or an engine that cannot be imported here.
     """
     if engine not in ENGINES:
         raise UsageError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
     if examples < 1 or steps < 1:
         raise UsageError(f"need examples >= 1 and steps >= 1, got {examples}, {steps}")
-    chosen = _choose(engine, impl)
+    names = sorted({c.name for c in ENGINES[engine]})
+    if checks is not None:
+        unknown = sorted(set(checks) - set(names))
+        if unknown or not checks:
+            raise UsageError(
+                f"{engine} has no check {', '.join(map(repr, unknown)) or 'chosen'}; "
+                f"its checks: {', '.join(names)}"
+            )
+    chosen = _choose(engine, impl, checks)
     run_seed = secrets.randbits(32) if seed is None else seed
     results = []
     for check in chosen:
@@ -298,8 +335,8 @@ def _not_installed(engine: str, exc: ImportError) -> str:
     )
 
 
-def _choose(engine: str, impl: type[Any] | None) -> list[Check]:
-    checks = ENGINES[engine]
+def _choose(engine: str, impl: type[Any] | None, only: Sequence[str] | None) -> list[Check]:
+    checks = tuple(c for c in ENGINES[engine] if only is None or c.name in only)
     if impl is None:
         seen: dict[str, Check] = {}
         for c in checks:

@@ -1,10 +1,12 @@
 """What an implementation declares about itself, so a conformance machine checks it against
 the right rules instead of the user shadowing rules.
 
-Two declarations: `EngineSemantics` for an engine's prefix cache (driven by
-`PrefixEngineConformance`) and `PolicySemantics` for an eviction policy (driven by
-`S3FIFOConformance`, `LRUConformance` and `CacheConformance`). Every field has a default: the
-semantics of prefixflight's own reference (the S3-FIFO prefix-cache replay task). A field set
+Three declarations: `EngineSemantics` for an engine's prefix cache (driven by
+`PrefixEngineConformance`), `PolicySemantics` for an eviction policy (driven by
+`S3FIFOConformance`, `LRUConformance` and `CacheConformance`) and `SchedulerSemantics` for a
+continuous-batching scheduler (driven by `SchedulerConformance`). Every field has a default:
+the semantics of prefixflight's own reference (the S3-FIFO prefix-cache replay task) and of
+its own `Scheduler`. A field set
 to anything else is a *declared difference*: the machine's reference follows it, and
 `declared_differences` lists it, with what it means, for reports. Both need only attrs (no
 Hypothesis), so an adapter module can declare itself without the ``specs`` extra.
@@ -23,6 +25,7 @@ __all__ = [
     "EngineCrashed",
     "EngineSemantics",
     "PolicySemantics",
+    "SchedulerSemantics",
     "Unsupported",
     "declared_differences",
 ]
@@ -222,6 +225,58 @@ class PolicySemantics:
             raise UsageError("min_small_blocks > 1 is modelled for small_queue='when-full'")
 
 
+_POLICIES = ("fcfs", "priority")
+
+
+@attrs.frozen(kw_only=True)
+class SchedulerSemantics:
+    """A continuous-batching scheduler, as its adapter declares it (defaults: prefixflight's
+    `Scheduler` with same-step sharing on).
+
+    ``same_step_reads``: whether a row may attend to a page another row of the same step
+    writes: ``"declared"`` -- only from the writers its `Row.reads_from` names, which come
+    earlier in the step (prefixflight's plan); ``"any"`` -- yes, from any row: the forward
+    pass writes every row's new KV in a layer before any row attends (vLLM); ``"none"`` --
+    never.
+
+    ``publish``: when a block being computed becomes a hit for other requests:
+    ``"at-schedule"`` -- when the step that writes it is planned (registered at allocation;
+    the machine then checks that the step does write it); ``"after-step"`` -- only once that
+    step has run.
+
+    ``preemption``: ``"none"`` -- a running request decodes in every step until it ends (its
+    pages are its own until then); ``"recompute"`` -- a running request may be preempted
+    when pages run out: its pages are freed and it is recomputed later from its prompt and
+    outputs (vLLM).
+
+    ``chunking``: ``"budget"`` -- a prompt is cut into chunks only when the step's token
+    budget runs out; ``"any"`` -- it may be cut short with budget left.
+
+    ``policies``: the admission orders the scheduler supports (the machine draws one per
+    example): ``"fcfs"``, ``"priority"`` (a lower priority value goes first and may preempt).
+    """
+
+    same_step_reads: Literal["declared", "any", "none"] = attrs.field(
+        default="declared", validator=_one_of("declared", "any", "none")
+    )
+    publish: Literal["at-schedule", "after-step"] = attrs.field(
+        default="at-schedule", validator=_one_of("at-schedule", "after-step")
+    )
+    preemption: Literal["none", "recompute"] = attrs.field(
+        default="none", validator=_one_of("none", "recompute")
+    )
+    chunking: Literal["budget", "any"] = attrs.field(
+        default="budget", validator=_one_of("budget", "any")
+    )
+    policies: frozenset[str] = attrs.field(
+        default=frozenset({"fcfs"}), converter=_frozen, validator=_ops(*_POLICIES)
+    )
+
+    def __attrs_post_init__(self) -> None:
+        if not self.policies:
+            raise UsageError(f"policies must name at least one of {_POLICIES}")
+
+
 _MEANING: Mapping[tuple[str, str], str] = {
     ("hit_cap", "n-1"): "at most num_tokens - 1 tokens hit: the last token is always computed",
     ("publish", "at-admit"): "blocks are registered when allocated, before they are computed",
@@ -236,15 +291,25 @@ _MEANING: Mapping[tuple[str, str], str] = {
     ("evictions", "observed"): "evictions are not returned; resident sets are compared",
     ("sizing", "floor"): "the small queue holds floor(capacity * small_ratio) blocks",
     ("small_queue", "when-full"): "evicts only when the whole cache is full (S3FIFO.c's flow)",
+    ("same_step_reads", "any"): "every row's KV is written before any row attends: a row may "
+    "read pages any other row of its step writes",
+    ("same_step_reads", "none"): "a page written in a step is read by no other row of it",
+    ("publish", "after-step"): "a block becomes a hit only after the step computing it ran",
+    ("preemption", "recompute"): "running requests may be preempted (pages freed) and "
+    "recomputed from their prompt and outputs",
+    ("chunking", "any"): "a prompt may be chunked with token budget left",
 }
 
 
-def declared_differences(semantics: EngineSemantics | PolicySemantics) -> list[dict[str, Any]]:
+def declared_differences(
+    semantics: EngineSemantics | PolicySemantics | SchedulerSemantics,
+) -> list[dict[str, Any]]:
     """How the declaration departs from prefixflight's semantics, as ``{"name", "value",
     "default", "meaning"}`` dicts (for reports and ``prefixflight conform --json``).
 
-    Capabilities that only add checks (an engine's optional ``ops``, its KV events) are not
-    differences; a policy's missing ``ops`` and unreported evictions are.
+    Capabilities that only add checks (an engine's optional ``ops``, its KV events, a
+    scheduler's extra ``policies``) are not differences; a policy's missing ``ops`` and
+    unreported evictions are.
     """
     default = type(semantics)()
     out: list[dict[str, Any]] = []
@@ -253,6 +318,8 @@ def declared_differences(semantics: EngineSemantics | PolicySemantics) -> list[d
         if value == base:
             continue
         if isinstance(semantics, EngineSemantics) and field.name in ("ops", "evictions"):
+            continue
+        if isinstance(semantics, SchedulerSemantics) and field.name == "policies":
             continue
         if isinstance(value, frozenset):
             missing = sorted(set(base) - set(value))

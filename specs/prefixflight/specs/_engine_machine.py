@@ -36,14 +36,14 @@ from hypothesis import assume, note
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from ._adapter import EngineAdapter, PoolView, chunk_tokens, name_of, semantics_of
+from ._adapter import ALPHABET, EngineAdapter, PoolView, chunk_tokens, label, name_of, semantics_of
 from ._declare import EngineSemantics, Unsupported
 from ._engine_ref import Key, ReferencePrefixEngine
 from .adapters._prefixflight import PagePoolAdapter
 
 __all__ = ["PrefixEngineConformance"]
 
-_ALPHABET = "abcd"
+_ALPHABET = ALPHABET
 _MAX_RUNNING = 4
 
 
@@ -87,7 +87,6 @@ class PrefixEngineConformance(RuleBasedStateMachine):
         self.next_id = 0
         self.step = "start"
         self.mirror: Counter[Key] = Counter()
-        self.labels: dict[tuple[int, ...], str] = {}
 
     # -- set-up --------------------------------------------------------------------------
     @initialize(data=st.data())
@@ -101,7 +100,6 @@ class PrefixEngineConformance(RuleBasedStateMachine):
         self.engine = engine
         bs = engine.block_size
         self.ref = ReferencePrefixEngine(type(self).semantics, pages, bs)
-        self.labels = {chunk_tokens(c, bs): _ALPHABET[c] for c in range(len(_ALPHABET))}
         self.step = f"start(pages={pages}, block_size={bs})"
         note(self.step)
 
@@ -113,15 +111,7 @@ class PrefixEngineConformance(RuleBasedStateMachine):
     # -- naming ----------------------------------------------------------------------------
     def _label(self, key: Sequence[int]) -> str:
         """``a.b`` for a key; ``a.b+5c`` for a prompt ending in 5 tokens of chunk ``c``."""
-        bs = self.engine.block_size
-        parts = [self.labels.get(tuple(key[i : i + bs]), "?") for i in range(0, len(key), bs)]
-        tail = len(key) % bs
-        if tail:
-            last = tuple(key[len(key) - tail :])
-            chunk = next((n for t, n in self.labels.items() if t[:tail] == last), "?")
-            head = ".".join(parts[:-1])
-            return f"{head}+{tail}{chunk}" if head else f"{tail}{chunk}"
-        return ".".join(parts)
+        return label(key, self.engine.block_size)
 
     def _labels(self, keys: Iterable[Key]) -> str:
         return "[" + ", ".join(sorted(self._label(k) for k in keys)) + "]"

@@ -11,27 +11,33 @@ without Hypothesis). ``prefixflight conform ENGINE`` runs them; so can you::
     run_state_machine_as_test(PrefixEngineConformance.for_adapter(VLLMAdapter))
 
 - `PagePoolAdapter`: prefixflight's own engine path (the `Scheduler`'s page pool);
+- `PrefixflightSchedulerAdapter`: prefixflight's `Scheduler` under `SchedulerConformance`;
 - `VLLMAdapter`: vLLM's v1 ``KVCacheManager`` (and its ``BlockPool``);
+- `VLLMSchedulerAdapter`: vLLM's v1 ``Scheduler``, driven without a model;
 - `SGLangAdapter`: SGLang's ``RadixCache`` with page size 16 and a simulated allocator;
 - `LibCacheSimS3FIFO`, `LibCacheSimLRU`: libCacheSim's policies (run them `isolated`).
 
-The adapters take ``impl=`` (``pool_cls=`` for ours): a drop-in replacement for the
-engine's class, built with exactly the original's arguments, to check a fork.
+The adapters take ``impl=`` (``pool_cls=``, ``scheduler_cls=`` for ours): a drop-in
+replacement for the engine's class, built with exactly the original's arguments, to check a
+fork.
 """
 
 from __future__ import annotations
 
 from ._libcachesim import LibCacheSimLRU, LibCacheSimS3FIFO, libcachesim_s3fifo_configs
-from ._prefixflight import PagePoolAdapter
+from ._prefixflight import PagePoolAdapter, PrefixflightSchedulerAdapter
 from ._sglang import SGLangAdapter, stub_torchvision
 from ._vllm import VLLMAdapter
+from ._vllm_scheduler import VLLMSchedulerAdapter
 
 __all__ = [
     "LibCacheSimLRU",
     "LibCacheSimS3FIFO",
     "PagePoolAdapter",
+    "PrefixflightSchedulerAdapter",
     "SGLangAdapter",
     "VLLMAdapter",
+    "VLLMSchedulerAdapter",
     "libcachesim_s3fifo_configs",
     "stub_torchvision",
 ]
