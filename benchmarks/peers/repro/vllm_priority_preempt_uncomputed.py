@@ -23,10 +23,8 @@ tokens) and it computes only position 12, attending to KV nobody wrote.
 
 Under FCFS the victim is ``running[-1]``, never a request already scheduled in the step,
 and without the threshold a request scheduled before another is never cut short with budget
-left, so neither configuration reaches this. vLLM PR #43569 ("Roll back eager prefix-cache
-registration on uncommitted free", open) describes this class of problem. Expected: a
-request taken out of a step before it runs leaves no registration of blocks that step would
-have computed.
+left, so neither configuration reaches this. Expected: a request taken out of a step before
+it runs leaves no registration of blocks that step would have computed.
 """
 
 from __future__ import annotations
