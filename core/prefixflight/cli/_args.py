@@ -97,6 +97,14 @@ def at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+def port(value: str) -> int:
+    """An argparse type: a TCP port, 0 (pick a free one) to 65535."""
+    n = at_least(0)(value)
+    if n > 65535:
+        raise argparse.ArgumentTypeError(f"a port is at most 65535, got {value!r}")
+    return n
+
+
 def finite_float(text: str) -> float:
     """An argparse type: a finite float."""
     try:

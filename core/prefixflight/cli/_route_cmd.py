@@ -16,19 +16,12 @@ from typing import Any
 
 from prefixflight.core import BurstConfig, ConfigError, UsageError
 
-from ._args import at_least, positive_float
+from ._args import at_least, port, positive_float
 from ._serve_cmd import add_access_arguments, api_keys
 
 __all__ = ["register", "run"]
 
 POLICIES = ("burst", "prefix", "round_robin")
-
-
-def _port(value: str) -> int:
-    n = at_least(0)(value)
-    if n > 65535:
-        raise argparse.ArgumentTypeError(f"a port is at most 65535, got {value!r}")
-    return int(n)
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -116,7 +109,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     h = p.add_argument_group("HTTP")
     h.add_argument("--host", default="127.0.0.1", help="loopback only unless told otherwise")
-    h.add_argument("--port", type=_port, default=8080, help="0 picks a free port")
+    h.add_argument("--port", type=port, default=8080, help="0 picks a free port")
     h.add_argument(
         "--max-in-flight",
         type=at_least(1),

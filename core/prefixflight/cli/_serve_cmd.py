@@ -19,7 +19,7 @@ from typing import Any
 
 from prefixflight.core import ReleasePolicy, UsageError
 
-from ._args import at_least, non_negative_float, positive_float
+from ._args import at_least, non_negative_float, port, positive_float
 from ._bench_cmd import prepare_torch_process
 from ._serve_ray_cmd import add_ray_arguments, run_ray
 
@@ -35,13 +35,6 @@ __all__ = [
 MODELS = ("smollm2", "tiny")
 KV_LOOPBACK = "tcp://127.0.0.1:*"  # a free loopback port
 RELEASE_POLICIES = tuple(p.value for p in ReleasePolicy)
-
-
-def _port(value: str) -> int:
-    n = at_least(0)(value)
-    if n > 65535:
-        raise argparse.ArgumentTypeError(f"a port is at most 65535, got {value!r}")
-    return int(n)
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -67,7 +60,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="the name clients use (default: the model's name, SmolLM2-135M-Instruct)",
     )
     p.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1 (loopback only)")
-    p.add_argument("--port", type=_port, default=8000, help="default 8000; 0 picks a free port")
+    p.add_argument("--port", type=port, default=8000, help="default 8000; 0 picks a free port")
     p.add_argument(
         "--num-pages",
         type=at_least(1),

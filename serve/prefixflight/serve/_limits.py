@@ -195,6 +195,31 @@ class GracefulServer(uvicorn.Server):
         super().__init__(config)
         self._drain = drain
 
+    @classmethod
+    def for_app(
+        cls,
+        app: Any,
+        drain: Callable[[], Awaitable[Any]],
+        *,
+        client_timeout: float,
+        keep_alive_timeout: float,
+        log_level: str,
+        access_log: bool,
+    ) -> GracefulServer:
+        """``app`` on uvicorn's h11 protocol with a deadline of ``client_timeout`` for request
+        headers, the keep-alive timeout, and a shutdown that drains (bounded by uvicorn's
+        graceful timeout, ``client_timeout`` too)."""
+        config = uvicorn.Config(
+            app,
+            log_level=log_level,
+            access_log=access_log,
+            http=HeaderDeadline.with_timeout(client_timeout),
+            timeout_keep_alive=max(1, round(keep_alive_timeout)),
+            timeout_graceful_shutdown=max(1, round(client_timeout)),
+            lifespan="on",
+        )
+        return cls(config, drain)
+
     async def shutdown(self, sockets: list[Any] | None = None) -> None:
         for server in self.servers:
             server.close()

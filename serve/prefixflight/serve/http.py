@@ -35,7 +35,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from ._limits import ApiKeys, BodyLimits, GracefulServer, HeaderDeadline
+from ._limits import ApiKeys, BodyLimits, GracefulServer
 from ._routes import message_of, openapi_schema, router
 from ._server import ApiError, Server, ServerConfig, error_body
 from ._text import CharCodec, Codec, HFCodec
@@ -150,20 +150,15 @@ def uvicorn_server(app: FastAPI, *, log_level: str = "warning", access_log: bool
     """The uvicorn server `serve` runs ``app`` (from `build_app`) on: uvicorn's h11 protocol
     with a deadline for request headers, the app's keep-alive timeout, and a shutdown that
     drains (`Server.drain`). Run it with ``await server.serve(sockets=[sock])``."""
-    import uvicorn
-
     state: Server = app.state.server
-    config = state.config
-    uv = uvicorn.Config(
+    return GracefulServer.for_app(
         app,
+        state.drain,
+        client_timeout=state.config.client_timeout,
+        keep_alive_timeout=state.config.keep_alive_timeout,
         log_level=log_level,
         access_log=access_log,
-        http=HeaderDeadline.with_timeout(config.client_timeout),
-        timeout_keep_alive=max(1, round(config.keep_alive_timeout)),
-        timeout_graceful_shutdown=max(1, round(config.client_timeout)),
-        lifespan="on",
     )
-    return GracefulServer(uv, state.drain)
 
 
 def serve(

@@ -62,7 +62,7 @@ from prefixflight.core import (
     Routed,
 )
 
-from ._limits import ApiKeys, BodyLimits, GracefulServer, HeaderDeadline
+from ._limits import ApiKeys, BodyLimits, GracefulServer
 from ._routing import POLICIES, PolicyName, RoutingState
 from ._server import ApiError as HttpError
 from ._server import error_body
@@ -738,20 +738,15 @@ def route_server(app: FastAPI, *, log_level: str = "warning", access_log: bool =
     """The uvicorn server for a router app (from `build_route_app`), as ``prefixflight
     serve``'s: a deadline for request headers, the keep-alive timeout, and a shutdown that
     first stops accepting, then lets the relayed requests finish for ``shutdown_timeout``."""
-    import uvicorn
-
     router: _Router = app.state.router
-    config = router.config
-    uv = uvicorn.Config(
+    return GracefulServer.for_app(
         app,
+        router.drain,
+        client_timeout=router.config.client_timeout,
+        keep_alive_timeout=router.config.keep_alive_timeout,
         log_level=log_level,
         access_log=access_log,
-        http=HeaderDeadline.with_timeout(config.client_timeout),
-        timeout_keep_alive=max(1, round(config.keep_alive_timeout)),
-        timeout_graceful_shutdown=max(1, round(config.client_timeout)),
-        lifespan="on",
     )
-    return GracefulServer(uv, router.drain)
 
 
 def serve(
