@@ -63,7 +63,9 @@ def test_the_schema_documents_every_status_and_no_422(server: Any) -> None:
         event = responses["200"]["content"]["text/event-stream"]["schema"]  # one event
         assert event["type"] == "object" and event["required"] == ["data"]
         chunk = "ChatChunk" if "chat" in path else "CompletionChunk"
-        refs = event["properties"]["data"]["contentSchema"]["anyOf"]
+        done, payload = event["properties"]["data"]["anyOf"]  # the last event is [DONE]
+        assert done == {"const": "[DONE]"}
+        refs = payload["contentSchema"]["anyOf"]
         assert {r["$ref"].rsplit("/", 1)[1] for r in refs} == {chunk, "ErrorResponse"}
         assert chunk in schema["components"]["schemas"]
     for path in ("/tokenize", "/detokenize"):

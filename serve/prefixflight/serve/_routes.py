@@ -87,17 +87,22 @@ def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 def _event(chunk: type) -> dict[str, Any]:
     """One server-sent event, as tools that read ``text/event-stream`` schemas (schemathesis)
-    see it: an object whose ``data`` is a chunk's JSON, an error's JSON, or ``[DONE]``."""
+    see it: an object whose ``data`` is ``[DONE]`` or a chunk's or an error's JSON."""
     refs = [{"$ref": f"#/components/schemas/{m.__name__}"} for m in (chunk, ErrorResponse)]
     return {
         "type": "object",
         "required": ["data"],
         "properties": {
             "data": {
-                "type": "string",
-                "contentMediaType": "application/json",
-                "contentSchema": {"anyOf": refs},
-                "description": f"`{chunk.__name__}` or `ErrorResponse` JSON, or `[DONE]`",
+                "anyOf": [
+                    {"const": "[DONE]"},
+                    {
+                        "type": "string",
+                        "contentMediaType": "application/json",
+                        "contentSchema": {"anyOf": refs},
+                    },
+                ],
+                "description": f"`[DONE]`, or `{chunk.__name__}` or `ErrorResponse` JSON",
             },
             "event": {"type": "string"},
             "id": {"type": "string"},
