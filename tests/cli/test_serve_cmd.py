@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from prefixflight.cli import main
+from prefixflight.core import UsageError
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -288,3 +289,25 @@ def test_a_bad_api_keys_file_is_a_one_line_error(
     assert len(err.splitlines()) == 1 and message in err, err
     assert main(["serve", "--api-keys-file", str(tmp_path / "missing.json")]) == 1
     assert "cannot read --api-keys-file" in capsys.readouterr().err
+
+
+def test_serve_loads_on_a_thread_that_ends_and_passes_its_errors_on() -> None:
+    """The model and engine are built on a thread that has ended when serving starts (its
+    OpenMP team goes with it, leaving the step thread the only one); a load error reaches
+    the caller as itself."""
+    from prefixflight.cli._serve_cmd import _on_a_thread_that_ends
+
+    ran_on: list[threading.Thread] = []
+
+    def load() -> str:
+        ran_on.append(threading.current_thread())
+        return "engine"
+
+    assert _on_a_thread_that_ends(load) == "engine"
+    assert ran_on[0] is not threading.main_thread() and not ran_on[0].is_alive()
+
+    def broken() -> str:
+        raise UsageError("no such model")
+
+    with pytest.raises(UsageError, match="no such model"):
+        _on_a_thread_that_ends(broken)

@@ -177,8 +177,10 @@ def prepare_torch_process() -> None:
 
     ``OMP_WAIT_POLICY=PASSIVE`` (unless the user set a policy): OpenMP reads it once, when
     torch loads. With the default spinning policy any other busy process on a small machine
-    turns a 0.7 s prefill into 8-14 s; the passive policy costs nothing on a quiet machine.
-    The library never changes the environment; this entry point does, for its own process.
+    turns a 0.7 s prefill into 8-14 s; the passive policy protects them, at a cost on a quiet
+    machine (a 2-thread forward up to 2x slower: docs/torch.md), so ``prefixflight serve``
+    does not call this. The library never changes the environment; this entry point does,
+    for its own process.
     """
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 

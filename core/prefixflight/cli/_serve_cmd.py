@@ -9,19 +9,23 @@ a one-line error too, never a traceback.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from prefixflight.core import ReleasePolicy, UsageError
 
 from ._args import at_least, non_negative_float, port, positive_float
 from ._bench_cmd import prepare_torch_process
 from ._serve_ray_cmd import add_ray_arguments, run_ray
+
+T = TypeVar("T")
 
 __all__ = [
     "add_access_arguments",
@@ -310,8 +314,17 @@ def _tiny_model() -> tuple[Any, str]:
     return tiny_model("llama", seed=0), "tiny-llama"
 
 
+def _on_a_thread_that_ends(fn: Callable[[], T]) -> T:
+    """``fn()`` on a new thread, waited for. The torch work it does (loading, the KV pool)
+    opens that thread's OpenMP team, which goes when the thread ends, so the engine's step
+    thread holds the process's only team. Were the main thread to keep one, libgomp would
+    count more threads than cores and cut its spin-wait to ~100 iterations: every operation
+    of a step would wait on a futex, a forward about 2x slower on 2 cores."""
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefixflight-load") as ex:
+        return ex.submit(fn).result()
+
+
 def _imports() -> tuple[Any, Any]:
-    prepare_torch_process()  # before anything imports torch
     try:
         from prefixflight.serve import http
     except ImportError as exc:
@@ -354,7 +367,6 @@ def run(args: argparse.Namespace) -> int:
         )
     keys = api_keys(args)  # a bad keys file fails before any model loads
     http, backend = _imports()
-    from prefixflight.core import ReleasePolicy
 
     try:
         sock = socket.create_server((args.host, args.port))
@@ -363,39 +375,46 @@ def run(args: argparse.Namespace) -> int:
             f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}"
         ) from None
     with sock:
-        if args.threads is not None:
-            import torch
 
-            torch.set_num_threads(args.threads)
+        def load() -> tuple[Any, Any, str, Any]:
+            if args.threads is not None:
+                import torch
+
+                torch.set_num_threads(args.threads)
+            if args.model == "tiny":
+                model, default_name = _tiny_model()
+                codec: Any = http.CharCodec(int(model.config.vocab_size))
+                tokenizer = None
+            else:
+                loaded = backend.load_smollm2(device=device, dtype=args.dtype)
+                model, default_name, tokenizer = loaded.model, loaded.name, loaded.tokenizer
+                codec = http.HFCodec(tokenizer)
+            config = backend.EngineConfig(
+                release_policy=ReleasePolicy(args.release_policy),
+                num_pages=args.num_pages,
+                page_size=args.block_size,
+                max_batch_tokens=args.max_batch_tokens,
+                max_running=args.max_running,
+                eviction=args.eviction,
+                min_shared_blocks=args.min_shared_blocks,
+            )
+            name = args.served_model_name or default_name
+            publisher = None if args.kv_events is None else kv_publisher(args, name)
+            engine = backend.AsyncEngine.from_model(
+                model,
+                config,
+                tokenizer=tokenizer,
+                event_sink=publisher,
+                device=device if args.model == "tiny" else str(model.device),
+                dtype=args.dtype
+                if args.model == "tiny"
+                else str(model.dtype).removeprefix("torch."),
+            )
+            return engine, codec, name, publisher
+
         started = time.perf_counter()
         device = None if args.device == "auto" else args.device
-        if args.model == "tiny":
-            model, default_name = _tiny_model()
-            codec = http.CharCodec(int(model.config.vocab_size))
-            tokenizer = None
-        else:
-            loaded = backend.load_smollm2(device=device, dtype=args.dtype)
-            model, default_name, tokenizer = loaded.model, loaded.name, loaded.tokenizer
-            codec = http.HFCodec(tokenizer)
-        config = backend.EngineConfig(
-            release_policy=ReleasePolicy(args.release_policy),
-            num_pages=args.num_pages,
-            page_size=args.block_size,
-            max_batch_tokens=args.max_batch_tokens,
-            max_running=args.max_running,
-            eviction=args.eviction,
-            min_shared_blocks=args.min_shared_blocks,
-        )
-        name = args.served_model_name or default_name
-        publisher = None if args.kv_events is None else kv_publisher(args, name)
-        engine = backend.AsyncEngine.from_model(
-            model,
-            config,
-            tokenizer=tokenizer,
-            event_sink=publisher,
-            device=device if args.model == "tiny" else str(model.device),
-            dtype=args.dtype if args.model == "tiny" else str(model.dtype).removeprefix("torch."),
-        )
+        engine, codec, name, publisher = _on_a_thread_that_ends(load)
         app = http.build_app(
             engine,
             codec,
