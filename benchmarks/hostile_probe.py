@@ -20,14 +20,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
-import queue
 import signal
 import socket
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -37,49 +35,15 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def start(model: str, flags: list[str]) -> tuple[subprocess.Popen[str], str, list[str]]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT / d) for d in ("core", "specs", "backends", "serve")]
-        + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+def _launcher() -> Any:
+    """benchmarks/serve_launch.py, the launcher tests/serve/fuzz_server.py uses too."""
+    spec = importlib.util.spec_from_file_location(
+        "serve_launch", ROOT / "benchmarks" / "serve_launch.py"
     )
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "prefixflight.cli",
-            "serve",
-            "--model",
-            model,
-            "--port",
-            "0",
-            *flags,
-        ],
-        stderr=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        text=True,
-        env=env,
-    )
-    lines: queue.Queue[str] = queue.Queue()
-    log: list[str] = []
-    assert proc.stderr is not None
-    stderr = proc.stderr
-
-    def read() -> None:
-        for line in stderr:
-            lines.put(line)
-            log.append(line)
-
-    threading.Thread(target=read, daemon=True).start()
-    deadline = time.monotonic() + 300
-    while True:
-        try:
-            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
-        except queue.Empty:
-            proc.kill()
-            raise SystemExit(f"the server did not start: {''.join(log)}") from None
-        if " on http://" in line:
-            return proc, line.split(" on ")[1].split()[0], log
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def proc_stats(pid: int) -> dict[str, float]:
@@ -293,12 +257,13 @@ def main() -> int:
     ap.add_argument("--max-body-bytes", type=int, default=32 << 20)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    proc, url, log = start(
+    proc, url, log = _launcher().start_serve(
         args.model,
         [
             "--threads", str(args.threads), "--client-timeout", str(args.client_timeout),
             "--max-body-bytes", str(args.max_body_bytes),
         ],
+        timeout=300,
     )  # fmt: skip
     tally = Tally()
     rounds = []

@@ -21,15 +21,13 @@ overload), with a documented 400, 404 or 429.
 from __future__ import annotations
 
 import argparse
-import os
-import queue
+import importlib.util
 import random
 import signal
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECKS = (
@@ -39,40 +37,15 @@ CHECKS = (
 )
 
 
-def start_server(model: str, flags: list[str]) -> tuple[subprocess.Popen[str], str, list[str]]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT / d) for d in ("core", "specs", "backends", "serve")]
-        + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+def _launcher() -> Any:
+    """benchmarks/serve_launch.py, the launcher the hostile probes use too."""
+    spec = importlib.util.spec_from_file_location(
+        "serve_launch", ROOT / "benchmarks" / "serve_launch.py"
     )
-    argv = ["serve", "--model", model, "--port", "0", *flags]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "prefixflight.cli", *argv],
-        stderr=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        text=True,
-        env=env,
-    )
-    lines: queue.Queue[str] = queue.Queue()
-    log: list[str] = []
-    assert proc.stderr is not None
-    stderr = proc.stderr
-
-    def read() -> None:
-        for line in stderr:
-            lines.put(line)
-            log.append(line)
-
-    threading.Thread(target=read, daemon=True).start()
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
-        except queue.Empty:
-            proc.kill()
-            raise SystemExit(f"the server did not start: {''.join(log)}") from None
-        if " on http://" in line:
-            return proc, line.split(" on ")[1].split()[0], log
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def main() -> int:
@@ -89,7 +62,9 @@ def main() -> int:
     ap.add_argument("--server-flag", action="append", default=[], help="extra serve flags")
     args = ap.parse_args()
     seeds = args.seed or [0, random.SystemRandom().randrange(2**31)]
-    proc, url, log = start_server(args.model, ["--max-waiting", "256", *args.server_flag])
+    proc, url, log = _launcher().start_serve(
+        args.model, ["--max-waiting", "256", *args.server_flag], timeout=180
+    )
     failed = False
     try:
         for seed in seeds:
