@@ -23,6 +23,8 @@ from prefixflight.core.routing import (
     ApproxPrefixRouter,
     BurstAffinityRouter,
     LeastLoadedRouter,
+    Placed,
+    assign_batch,
 )
 from prefixflight.sim import (
     ClusterConfig,
@@ -242,7 +244,7 @@ def test_approx_router_follows_its_index_without_lag() -> None:
     loads = [attrs.evolve(x, waiting=1) if x.name == first.replica else x for x in names()]
     (second,) = router.route(rr(2), 0.0, loads)
     assert second.replica == first.replica  # prefix 3 outweighs the queue score 2
-    assert router.indexed_prefix(first.replica, (1, 2, 3, 4)) == 3
+    assert router.prefix_blocks(first.replica, (1, 2, 3, 4)) == 3
 
 
 def test_approx_router_does_not_see_decisions_within_the_lag() -> None:
@@ -250,7 +252,7 @@ def test_approx_router_does_not_see_decisions_within_the_lag() -> None:
     (first,) = router.route(rr(1), 0.0, names())
     assert router.scores(rr(2), names()) == dict.fromkeys((x.name for x in names()), 4.0)
     router.tick(0.05, names())
-    assert router.indexed_prefix(first.replica, (1, 2, 3)) == 3
+    assert router.prefix_blocks(first.replica, (1, 2, 3)) == 3
 
 
 def test_approx_scores_combine_prefix_queue_and_kv() -> None:
@@ -283,9 +285,59 @@ def test_burst_adapter_routes_no_affinity_requests_through_the_fallback() -> Non
     assert [d.request_id for d in out] == [1, 2, 3]
     assert out[0].replica == out[1].replica
     # The fallback learned the burst's placement, and routed the lone request itself.
-    assert fallback.indexed_prefix(out[0].replica, (1, 2, 3)) == 3
-    assert fallback.indexed_prefix(out[2].replica, (7,)) == 1
+    assert fallback.prefix_blocks(out[0].replica, (1, 2, 3)) == 3
+    assert fallback.prefix_blocks(out[2].replica, (7,)) == 1
     assert router.next_deadline() is None
+
+
+@pytest.mark.parametrize("known", [True, False], ids=["known", "llm-d"])
+def test_a_burst_split_over_two_windows_stays_together_with_known_prefixes(known: bool) -> None:
+    """Five samples seal in one window and three in the next, before any KV event: with the
+    fallback's record as ``known`` the three follow the five; without it (llm-d) the second
+    window places them afresh, on the replica the first window left idle."""
+    fallback = ApproxPrefixRouter()
+    window = BurstRouter(BurstConfig(), names(2), known=fallback if known else None)
+    router = BurstAffinityRouter(window, fallback)
+    for i in range(5):
+        assert router.route(rr(i), 0.0, names(2)) == ()
+    first = router.tick(0.1, names(2))
+    (where,) = {d.replica for d in first}
+    loads = [attrs.evolve(x, running=5 if x.name == where else 0) for x in names(2)]
+    for i in range(5, 8):
+        assert router.route(rr(i), 0.15, loads) == ()
+    second = router.tick(0.25, loads)
+    assert [d.request_id for d in second] == [5, 6, 7]
+    assert {d.replica for d in second} == (
+        {where} if known else {x.name for x in names(2)} - {where}
+    )
+
+
+def test_a_known_prefix_pulls_a_unit_only_within_the_fair_share() -> None:
+    """Two groups of four known on replica a: the first goes there, the second would push a
+    past its fair share (4 of 8 requests on 2 replicas) and goes to b."""
+    known = ApproxPrefixRouter()
+    known.record(rr(0, (1, 2)), "a", 0.0)
+    known.record(rr(0, (5, 6)), "a", 0.0)
+    batch = [rr(i, (1, 2)) for i in range(4)] + [rr(i, (5, 6)) for i in range(4, 8)]
+    loads = [ReplicaLoad(name="a"), ReplicaLoad(name="b")]
+    out = assign_batch(batch, loads, BurstConfig(), known)
+    assert [a.replica for a in out if isinstance(a, Placed)] == ["a"] * 4 + ["b"] * 4
+
+    def placed(config: BurstConfig) -> set[str]:
+        """Where a group whose first block only is known on a (a busier replica) goes."""
+        group = [rr(0, (1, 9)), rr(1, (1, 9))]
+        loaded = [ReplicaLoad(name="a", running=3), ReplicaLoad(name="b")]
+        return {
+            a.replica for a in assign_batch(group, loaded, config, known) if isinstance(a, Placed)
+        }
+
+    assert placed(BurstConfig()) == {"b"}  # min_colocate_blocks=0: only a whole key pulls
+    assert placed(BurstConfig(min_colocate_blocks=1)) == {"a"}  # one known block matches
+
+
+def test_burst_router_rejects_a_known_that_is_not_an_index() -> None:
+    with pytest.raises(ConfigError, match="known must be a PrefixIndex"):
+        BurstRouter(BurstConfig(), names(), known=object())  # type: ignore[arg-type]
 
 
 def test_burst_adapter_routes_a_batch_full_arrival_through_the_fallback_at_once() -> None:
@@ -295,7 +347,7 @@ def test_burst_adapter_routes_a_batch_full_arrival_through_the_fallback_at_once(
     assert router.route(rr(2), 0.0, names()) == ()
     (late,) = router.route(rr(3), 0.01, names())  # batch full: no burst affinity, no wait
     assert late.request_id == 3
-    assert fallback.indexed_prefix(late.replica, (1, 2, 3)) == 3  # the fallback routed it
+    assert fallback.prefix_blocks(late.replica, (1, 2, 3)) == 3  # the fallback routed it
     out = router.tick(0.1, names())
     assert [d.request_id for d in out] == [1, 2] and out[0].replica == out[1].replica
 

@@ -167,17 +167,17 @@ def test_approx_prefix_router_reads_an_external_index() -> None:
     router = ApproxPrefixRouter(ApproxPrefixConfig(), index=cluster)
     replicas = [ReplicaLoad(name="a"), ReplicaLoad(name="b"), ReplicaLoad(name="c")]
     req = RouteRequest(request_id=1, blocks=blocks, num_tokens=len(prompt))
-    assert router.indexed_prefix("b", blocks) == 4 and router.indexed_prefix("a", blocks) == 0
+    assert router.prefix_blocks("b", blocks) == 4 and router.prefix_blocks("a", blocks) == 0
     (first,) = router.route(req, 0.0, replicas)
     assert first.replica == "b"
     # nothing is assumed about "b": the index alone says what is cached
     other = RouteRequest(request_id=2, blocks=hasher.hash_tokens([7] * 16), num_tokens=16)
     router.route(other, 1.0, replicas)
-    assert all(router.indexed_prefix(r.name, other.blocks) == 0 for r in replicas)
+    assert all(router.prefix_blocks(r.name, other.blocks) == 0 for r in replicas)
     # without an index the router keeps assuming, as before
     assuming = ApproxPrefixRouter(ApproxPrefixConfig())
     (d,) = assuming.route(other, 0.0, replicas)
-    assert assuming.indexed_prefix(d.replica, other.blocks) == 4
+    assert assuming.prefix_blocks(d.replica, other.blocks) == 4
 
 
 def test_the_public_surface_is_what_all_says() -> None:

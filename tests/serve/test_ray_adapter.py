@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
 from prefixflight.core import BlockHasher, BurstConfig, ConfigError, ReplicaLoad, UsageError
@@ -72,6 +73,22 @@ def test_a_burst_of_identical_prompts_waits_for_its_window_and_lands_together() 
     assert len(g) == 1 and len(o) == 1 and g != o  # co-located, and balanced apart
     state.consumed("g0")
     assert state.decision("g0") is None
+
+
+def test_a_burst_that_straddles_two_windows_stays_on_one_replica() -> None:
+    """The second window's samples follow the first window's, before any KV event, although
+    the first window's replica is now the busier one (the fallback's record is ``known``)."""
+    state = RoutingState(BurstConfig(window_ms=100), seed=0)
+    group = GenerateRequest(prompt_ids=prompt(6))
+    for i in range(5):
+        state.submit(f"g{i}", group, 0.0, LOADS)
+    state.tick(0.1, LOADS)
+    (first,) = {state.decision(f"g{i}") for i in range(5)}
+    busy = [attrs.evolve(x, running=5) if x.name == first else x for x in LOADS]
+    for i in range(5, 8):
+        state.submit(f"g{i}", group, 0.15, busy)
+    state.tick(0.25, busy)
+    assert {state.decision(f"g{i}") for i in range(5, 8)} == {first}
 
 
 def test_text_prompts_are_keyed_by_their_bytes() -> None:

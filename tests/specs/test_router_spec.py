@@ -7,9 +7,11 @@ from collections.abc import Sequence
 import attrs
 import pytest
 from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
 from hypothesis.stateful import run_state_machine_as_test
 
 from prefixflight.core import (
+    BlockHash,
     BurstConfig,
     BurstRouter,
     ReplicaLoad,
@@ -20,6 +22,7 @@ from prefixflight.core.routing import Assignment, assign_batch
 from prefixflight.specs import (
     BurstRouterConformance,
     burst_configs,
+    chained_blocks,
     reference_assign,
     replica_loads,
     route_batches,
@@ -35,6 +38,60 @@ def test_assignment_matches_the_reference(
     batch: list[RouteRequest], replicas: list[ReplicaLoad], config: BurstConfig
 ) -> None:
     assert assign_batch(batch, replicas, config) == reference_assign(batch, replicas, config)
+
+
+@given(
+    batch=route_batches(),
+    replicas=replica_loads(),
+    config=burst_configs(),
+    known=st.lists(st.tuples(st.integers(0, 3), chained_blocks()), max_size=6),
+)
+def test_assignment_with_known_prefixes_matches_the_reference(
+    batch: list[RouteRequest],
+    replicas: list[ReplicaLoad],
+    config: BurstConfig,
+    known: list[tuple[int, tuple[BlockHash, ...]]],
+) -> None:
+    index = Held()
+    for i, key in known:
+        index.held.setdefault(f"r{i}", set()).update(key)  # chained: a key's blocks, each
+    got = assign_batch(batch, replicas, config, index)
+    assert got == reference_assign(batch, replicas, config, index)
+
+
+class Held:
+    """Replicas' held blocks as sets (a `PrefixIndex`, as the KV-event block index is)."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, set[BlockHash]] = {}
+
+    def prefix_blocks(self, replica: str, blocks: Sequence[BlockHash]) -> int:
+        n = 0
+        for h in blocks:
+            if h not in self.held.get(replica, ()):
+                break
+            n += 1
+        return n
+
+
+def test_the_machine_catches_a_router_that_ignores_known_prefixes() -> None:
+    def ignores(config: BurstConfig, replicas: Sequence[ReplicaLoad], known: object) -> BurstRouter:
+        return BurstRouter(config, replicas)
+
+    try:
+        run_state_machine_as_test(
+            BurstRouterConformance.for_factory(ignores, known=True),
+            settings=settings(
+                derandomize=True,
+                stateful_step_count=25,
+                database=None,
+                report_multiple_bugs=False,
+                phases=[Phase.generate],
+            ),
+        )
+    except AssertionError:
+        return
+    raise AssertionError("the conformance machine accepted a router that ignores known")
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,8 @@ the engines see them when known, its tenant namespace) with the replicas' loads,
 decisions made now; a windowed policy answers later from `tick`, at `deadline`. The policy:
 
 - ``"burst"``: the core's `BurstRouter` window in front of the fallback (`BurstAffinityRouter`);
+  a sealing window reads the fallback's record of what was routed where (`BurstRouter`'s
+  ``known``), so a burst split over two windows stays on one replica;
 - ``"prefix"``: the fallback alone, at once: the replica with the longest resident prefix
   (`ResidencyFirstRouter`, with a residency source) else llm-d's approximate prefix scorer;
 - ``"round_robin"``: every request to the next replica in name order.
@@ -159,9 +161,10 @@ class RoutingState:
             residency = BlockSetResidency()
         rng = random.Random(seed)
         inner: Router
+        known: ApproxPrefixRouter | None = None  # what was routed where, learnt at once
         match fallback:
             case "approx":
-                inner = ApproxPrefixRouter(
+                inner = known = ApproxPrefixRouter(
                     ApproxPrefixConfig(
                         max_prefix_blocks_to_match=min(256, self._burst_config.max_prefix_blocks)
                     ),
@@ -181,7 +184,7 @@ class RoutingState:
         match policy:
             case "burst":
                 self._router = BurstAffinityRouter(
-                    BurstRouter(self._burst_config, _PLACEHOLDER), inner
+                    BurstRouter(self._burst_config, _PLACEHOLDER, known=known), inner
                 )
             case "prefix":
                 self._router = inner

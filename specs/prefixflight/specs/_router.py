@@ -31,6 +31,7 @@ from prefixflight.core import (
     BlockHash,
     BurstConfig,
     BurstRouter,
+    PrefixIndex,
     ReplicaLoad,
     RequestId,
     RouteRequest,
@@ -63,9 +64,17 @@ def _common_prefix(a: Sequence[BlockHash], b: Sequence[BlockHash]) -> int:
 
 
 def reference_assign(
-    requests: Sequence[RouteRequest], replicas: Sequence[ReplicaLoad], config: BurstConfig
+    requests: Sequence[RouteRequest],
+    replicas: Sequence[ReplicaLoad],
+    config: BurstConfig,
+    known: PrefixIndex | None = None,
 ) -> tuple[Assignment, ...]:
-    """The assignment rules, read literally. Keys must be chained (position-unique) hashes."""
+    """The assignment rules, read literally. Keys must be chained (position-unique) hashes.
+
+    ``known``: the leading blocks of a key each replica is known to hold before the batch.
+    The first run of a unit goes to a replica with room under the fair share that holds at
+    least ``min_colocate_blocks`` of its leading blocks (placed in this batch or known),
+    or, with ``min_colocate_blocks == 0``, its whole key known; the longest such hold wins."""
     cap = config.max_prefix_blocks
     k = config.max_per_replica
     m = config.min_colocate_blocks
@@ -117,16 +126,22 @@ def reference_assign(
             name: max((_common_prefix(unit_key, pk) for pk in keys), default=0)
             for name, keys in placed_keys.items()
         }
+        warm = {
+            name: 0 if known is None else known.prefix_blocks(name, unit_key) for name in load
+        }
+        held = {name: max(match[name], warm[name]) for name in load}
         on: dict[str, int] = {name: 0 for name in load}
         left = list(members)
         first = True
         while left:
             has_room = [n for n in load if k == -1 or on[n] < k]
             target = None
-            if first and m > 0:
-                preferred = [n for n in has_room if load[n] < fair_share and match[n] >= m]
+            if first:
+                # with m == 0 only a known whole key pulls (what this batch places is ignored)
+                hold, need = (held, m) if m > 0 else (warm, len(unit_key))
+                preferred = [n for n in has_room if load[n] < fair_share and hold[n] >= need]
                 if preferred:
-                    target = min(preferred, key=lambda n: (-match[n], *rank(n)))
+                    target = min(preferred, key=lambda n: (-hold[n], *rank(n)))
             if target is None:
                 target = min(has_room or list(load), key=rank)
             first = False
@@ -136,7 +151,7 @@ def reference_assign(
             left = left[run:]
             if by_tokens:
                 if on[target] == 0:
-                    load[target] += max(0, cost(unit_key) - match[target] * bs)
+                    load[target] += max(0, cost(unit_key) - held[target] * bs)
             else:
                 load[target] += run
             on[target] += run
@@ -161,9 +176,15 @@ class ReferenceWindow:
     """The batch window, plainly: a list of waiting requests with their arrival times, and the
     time the window opened."""
 
-    def __init__(self, config: BurstConfig, replicas: Sequence[ReplicaLoad]) -> None:
+    def __init__(
+        self,
+        config: BurstConfig,
+        replicas: Sequence[ReplicaLoad],
+        known: PrefixIndex | None = None,
+    ) -> None:
         self.config = config
         self.replicas = list(replicas)
+        self.known = known
         self.waiting: list[tuple[RouteRequest, float]] = []
         self.opened_at: float | None = None
         self.now = float("-inf")
@@ -221,7 +242,7 @@ class ReferenceWindow:
 
     def _seal(self) -> tuple[Assignment, ...]:
         batch, self.waiting, self.opened_at = self.waiting, [], None
-        return reference_assign([r for r, _ in batch], self.replicas, self.config)
+        return reference_assign([r for r, _ in batch], self.replicas, self.config, self.known)
 
     def _check_time(self, now: float) -> None:
         if not math.isfinite(now) or now < self.now:
@@ -304,7 +325,23 @@ class WindowedRouter(Protocol):
     def update_replicas(self, replicas: Sequence[ReplicaLoad]) -> None: ...
 
 
-RouterFactory = Callable[[BurstConfig, Sequence[ReplicaLoad]], WindowedRouter]
+RouterFactory = Callable[..., WindowedRouter]
+"""``factory(config, replicas)``, or ``factory(config, replicas, known=index)`` for a machine
+made with ``known=True``."""
+
+
+class _KnownPrefixes:
+    """A `PrefixIndex` read literally: per replica, the keys it is known to hold; a replica
+    holds the longest common prefix of a prompt with any of them."""
+
+    def __init__(self) -> None:
+        self.keys: dict[str, list[tuple[BlockHash, ...]]] = {}
+
+    def learn(self, replica: str, key: Sequence[BlockHash]) -> None:
+        self.keys.setdefault(replica, []).append(tuple(key))
+
+    def prefix_blocks(self, replica: str, blocks: Sequence[BlockHash]) -> int:
+        return max((_common_prefix(blocks, k) for k in self.keys.get(replica, ())), default=0)
 
 
 @st.composite
@@ -364,11 +401,17 @@ class BurstRouterConformance(RuleBasedStateMachine):
     """A router implementation vs `ReferenceWindow`, compared after every step."""
 
     factory: ClassVar[RouterFactory] = BurstRouter
+    known: ClassVar[bool] = True
 
     @classmethod
-    def for_factory(cls, factory: RouterFactory) -> type[BurstRouterConformance]:
-        """A machine class that tests ``factory(config, replicas)``'s routers."""
-        return type(f"{cls.__name__}For", (cls,), {"factory": staticmethod(factory)})
+    def for_factory(
+        cls, factory: RouterFactory, *, known: bool = False
+    ) -> type[BurstRouterConformance]:
+        """A machine class that tests ``factory(config, replicas)``'s routers; with
+        ``known=True``, ``factory(config, replicas, known=index)``: routers that read known
+        prefixes (a `PrefixIndex`) when a batch seals, as `BurstRouter` does."""
+        attrs = {"factory": staticmethod(factory), "known": known}
+        return type(f"{cls.__name__}For", (cls,), attrs)
 
     def __init__(self) -> None:
         super().__init__()
@@ -378,6 +421,8 @@ class BurstRouterConformance(RuleBasedStateMachine):
         self.next_id = 0
         self.sealed: set[RequestId] = set()
         self.prompts: list[tuple[Any, ...]] = []
+        self.replica_names: list[str] = []
+        self.index: _KnownPrefixes | None = None
 
     @initialize(
         config=burst_configs(),
@@ -390,8 +435,13 @@ class BurstRouterConformance(RuleBasedStateMachine):
         """Arrivals draw their prompts from a small pool, so groups and shared prefixes form."""
         note(f"config={config!r} replicas={replicas!r}")
         self.prompts = prompts
-        self.impl = type(self).factory(config, replicas)
-        self.model = ReferenceWindow(config, replicas)
+        self.replica_names = sorted({r.name for r in replicas})
+        if type(self).known:
+            self.index = _KnownPrefixes()
+            self.impl = type(self).factory(config, replicas, known=self.index)
+        else:
+            self.impl = type(self).factory(config, replicas)
+        self.model = ReferenceWindow(config, replicas, self.index)
 
     def _both(self, call: Callable[[Any], Any]) -> Any:
         assert self.impl is not None and self.model is not None
@@ -479,6 +529,19 @@ class BurstRouterConformance(RuleBasedStateMachine):
     @rule(replicas=replica_loads())
     def update_replicas(self, replicas: list[ReplicaLoad]) -> None:
         self._both(lambda r: r.update_replicas(replicas))
+        if self.model is not None:
+            self.replica_names = sorted({r.name for r in self.model.replicas})
+
+    @precondition(lambda self: self.index is not None)
+    @rule(data=st.data())
+    def learn(self, data: st.DataObject) -> None:
+        """A replica is known to hold a prompt (routed there before: what `ApproxPrefixRouter`
+        records); the next seal reads it."""
+        assert self.index is not None
+        replica = data.draw(st.sampled_from(self.replica_names))
+        key = data.draw(st.sampled_from(self.prompts))
+        note(f"known: {replica} holds {key!r}")
+        self.index.learn(replica, key)
 
     @invariant()
     def views_agree(self) -> None:

@@ -127,8 +127,9 @@ class ApproxPrefixRouter:
     def config(self) -> ApproxPrefixConfig:
         return self._config
 
-    def indexed_prefix(self, replica: str, blocks: Sequence[BlockHash]) -> int:
-        """How many leading ``blocks`` the index believes ``replica`` holds now."""
+    def prefix_blocks(self, replica: str, blocks: Sequence[BlockHash]) -> int:
+        """How many leading ``blocks`` the index believes ``replica`` holds now (so this
+        router is a `PrefixIndex` of what it routed: `BurstRouter`'s ``known``)."""
         if self._external is not None:
             return self._external.prefix_blocks(replica, blocks)
         lru = self._index.get(replica)
@@ -142,7 +143,7 @@ class ApproxPrefixRouter:
         hi = max(r.waiting for r in replicas)
         out: dict[str, float] = {}
         for r in replicas:
-            prefix = self.indexed_prefix(r.name, blocks) / len(blocks) if blocks else 0.0
+            prefix = self.prefix_blocks(r.name, blocks) / len(blocks) if blocks else 0.0
             queue = 1.0 if hi == lo else (hi - r.waiting) / (hi - lo)
             kv = 1.0 - r.kv_utilization
             out[r.name] = c.prefix_weight * prefix + c.queue_weight * queue + c.kv_weight * kv

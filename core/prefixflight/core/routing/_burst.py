@@ -37,6 +37,16 @@ sharing arrived meanwhile). A request that shares its prefix with another waits 
 as before. The burst's samples arrive within milliseconds of each other, so the first one is
 no longer alone by the time its short wait ends; a request nobody shares with stops paying the
 whole window.
+
+Known prefixes (``known``, a prefixflight extension, off by default): a `PrefixIndex` over
+the router's own keys, read when a batch seals, of what replicas are known to hold already
+(e.g. `ApproxPrefixRouter`, which records every routing decision at once). A unit whose
+prefix is known somewhere goes there, within the same caps: a burst that straddles two
+windows (its first samples routed, its KV events not yet arrived) stays on one replica
+instead of being placed afresh in the second window. With ``min_colocate_blocks`` ``m > 0`` a
+known prefix counts as a match like one placed in the same batch (at least ``m`` leading
+blocks); with ``m == 0`` only a known whole key pulls (identical prompts, as the batch itself
+groups them).
 """
 
 from __future__ import annotations
@@ -51,7 +61,7 @@ from .._errors import ConfigError, UsageError
 from .._validate import check_choice, check_instance, check_int, check_time
 from ..cache._hashing import BlockHash, BlockHasher
 from ..flight._plan import RequestId
-from ._protocol import ReplicaLoad, RouteRequest, check_replicas
+from ._protocol import PrefixIndex, ReplicaLoad, RouteRequest, check_replicas
 
 __all__ = [
     "Assignment",
@@ -191,18 +201,21 @@ def assign_batch(
     requests: Sequence[RouteRequest],
     replicas: Sequence[ReplicaLoad],
     config: BurstConfig,
+    known: PrefixIndex | None = None,
 ) -> tuple[Assignment, ...]:
     """Place one sealed batch jointly; one `Assignment` per request, in the given order.
 
-    Pure and deterministic: the same requests and loads give the same assignment, whatever
-    the order of ``replicas`` (ties break on batch load, running requests, then name).
-    Three steps: group the requests by key, form the units to place (identical groups, then
-    lone requests sharing a prefix), and place each unit in turn.
+    Pure and deterministic: the same requests, loads and ``known`` prefixes give the same
+    assignment, whatever the order of ``replicas`` (ties break on batch load, running
+    requests, then name). Three steps: group the requests by key, form the units to place
+    (identical groups, then lone requests sharing a prefix), and place each unit in turn.
+    ``known`` (see the module docstring) says which leading blocks of a unit's key each
+    replica is known to hold before this batch.
     """
     reps = check_replicas(replicas)
     groups = _groups(requests, config.max_prefix_blocks)
     units = _units(groups, config.min_colocate_blocks, config.block_size_tokens)
-    placement = _Placement(reps, units, config)
+    placement = _Placement(reps, units, config, known)
     for unit in units:
         placement.place(unit)
     placed = placement.placed
@@ -250,8 +263,8 @@ def _units(groups: dict[tuple[BlockHash, ...], list[RequestId]], m: int, bs: int
 
 class _Placement:
     """The state of one batch's placement: each replica's load in this batch (requests, or
-    uncached prefix tokens), the blocks already placed on each replica, and the requests
-    placed so far."""
+    uncached prefix tokens), the blocks already placed on each replica, the prefixes known
+    before the batch, and the requests placed so far."""
 
     __slots__ = (
         "bs",
@@ -259,6 +272,7 @@ class _Placement:
         "fair_share",
         "holders",
         "k",
+        "known",
         "load",
         "m",
         "ordered",
@@ -267,8 +281,13 @@ class _Placement:
     )
 
     def __init__(
-        self, reps: Sequence[ReplicaLoad], units: Sequence[_Unit], config: BurstConfig
+        self,
+        reps: Sequence[ReplicaLoad],
+        units: Sequence[_Unit],
+        config: BurstConfig,
+        known: PrefixIndex | None,
     ) -> None:
+        self.known = known
         self.k = config.max_per_replica
         self.m = config.min_colocate_blocks
         self.by_tokens = config.balance_by == "tokens"
@@ -296,11 +315,22 @@ class _Placement:
                     matches[name] = matches.get(name, 0) + 1
         return matches
 
-    def primary(self, per_replica: dict[str, int], matches: dict[str, int]) -> str | None:
+    def warm(self, unit: _Unit) -> dict[str, int]:
+        """Per replica, the leading blocks of the unit's key known to be there before this
+        batch (none without ``known``; replicas holding none are left out)."""
+        known = self.known
+        if known is None:
+            return {}
+        warm = {name: known.prefix_blocks(name, unit.key) for name in self.ordered}
+        return {name: n for name, n in warm.items() if n > 0}
+
+    def primary(
+        self, per_replica: dict[str, int], matches: dict[str, int], m: int
+    ) -> str | None:
         """The replica to co-locate with: under ``k`` members of this unit and under the fair
         share, matching at least ``m`` blocks; the longest match, then the least loaded
         (batch load, running requests, name)."""
-        k, m, load, running, fair_share = self.k, self.m, self.load, self.running, self.fair_share
+        k, load, running, fair_share = self.k, self.load, self.running, self.fair_share
         best: tuple[int, int, int, str] | None = None  # (-match, load, running, name)
         for name in self.ordered:
             if k != UNLIMITED and per_replica.get(name, 0) >= k:
@@ -332,14 +362,24 @@ class _Placement:
 
     def place(self, unit: _Unit) -> None:
         """Place the unit's members, at most ``k`` per replica: the first run on the primary
-        replica if there is one, every other run on the least loaded replica."""
+        replica if there is one, every other run on the least loaded replica.
+
+        The primary matches at least ``m`` leading blocks, placed in this batch or known
+        before it; with ``m == 0``, the whole key known before it."""
         k, bs, load = self.k, self.bs, self.load
         matches = self.matches(unit)
+        warm = self.warm(unit)
+        if warm:  # what a replica holds: placed in this batch or known before it
+            matches = {n: max(matches.get(n, 0), warm.get(n, 0)) for n in matches.keys() | warm}
         per_replica: dict[str, int] = {}
         members = unit.members
         i = 0
         while i < len(members):
-            target = self.primary(per_replica, matches) if i == 0 and self.m > 0 else None
+            target = None
+            if i == 0 and self.m > 0:
+                target = self.primary(per_replica, matches, self.m)
+            elif i == 0 and warm:
+                target = self.primary(per_replica, warm, len(unit.key))
             if target is None:
                 target = self.least_loaded(per_replica)
             run = len(members) - i
@@ -375,7 +415,8 @@ class BurstRouter:
     With ``lone_wait_ms`` (the adaptive window), every call first releases the requests that
     have waited that long sharing their prefix with no other waiting request (in arrival
     order, as `NoAffinity`), up to the window's deadline; `wake_at` says when the next one is
-    due.
+    due. With ``known`` (a `PrefixIndex` over this router's keys), a sealing batch places
+    units where their prefix is known to be already (the module docstring).
     """
 
     __slots__ = (
@@ -384,6 +425,7 @@ class BurstRouter:
         "_config",
         "_deadline",
         "_hasher",
+        "_known",
         "_lone",
         "_now",
         "_pending",
@@ -398,9 +440,13 @@ class BurstRouter:
         replicas: Sequence[ReplicaLoad] = (),
         *,
         namespace: str | bytes = b"",
+        known: PrefixIndex | None = None,
     ) -> None:
         self._config = BurstConfig() if config is None else config
         check_instance("config", self._config, BurstConfig)
+        if known is not None and not isinstance(known, PrefixIndex):
+            raise ConfigError(f"known must be a PrefixIndex (prefix_blocks), got {known!r}")
+        self._known = known
         try:
             self._replicas = check_replicas(replicas)
         except UsageError as exc:
@@ -549,7 +595,9 @@ class BurstRouter:
 
     # -- internals ----------------------------------------------------------------------------
     def _seal(self) -> tuple[Assignment, ...]:
-        out = assign_batch(tuple(self._pending.values()), self._replicas, self._config)
+        out = assign_batch(
+            tuple(self._pending.values()), self._replicas, self._config, self._known
+        )
         self._pending = {}  # only once the assignment exists: a failure loses nothing
         self._deadline = None
         self._releases.clear()
