@@ -52,6 +52,7 @@ G = 8
 ROUTERS = {
     "burst": "prefixflight route --policy burst (window 100 ms, KV events)",
     "burst_adaptive": "prefixflight route --policy burst --lone-wait-ms 10 (KV events)",
+    "burst_quiet": "prefixflight route --policy burst --quiet-ms 10 (KV events)",
     "prefix": "prefixflight route --policy prefix (no window, KV events)",
     "round_robin": "prefixflight route --policy round_robin",
     "vllm_router_cache_aware": "vllm-router --policy cache_aware",
@@ -63,6 +64,7 @@ ROUTERS = {
 DEFAULT_ROUTERS = [
     "burst",
     "burst_adaptive",
+    "burst_quiet",
     "prefix",
     "round_robin",
     "vllm_router_cache_aware",
@@ -206,7 +208,7 @@ def start_router(
     port = free_port()
     urls = [r.url for r in replicas]
     env = dict(os.environ)
-    if name in ("burst", "burst_adaptive", "prefix", "round_robin"):
+    if name in ("burst", "burst_adaptive", "burst_quiet", "prefix", "round_robin"):
         policy = "burst" if name.startswith("burst") else name
         argv = [sys.executable, "-m", "prefixflight.cli", "route", "--port", str(port)]
         argv += ["--policy", policy, "--tokenizer", str(model), "--engine-block-size", str(BLOCK)]
@@ -217,6 +219,8 @@ def start_router(
                 argv += ["--kv-events", r.kv, "--kv-events-replay", r.replay]
         if name == "burst_adaptive":
             argv += ["--lone-wait-ms", "10"]
+        if name == "burst_quiet":
+            argv += ["--quiet-ms", "10"]
         env["PYTHONPATH"] = os.pathsep.join(
             str(ROOT / d) for d in ("core", "specs", "backends", "serve")
         )

@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
         (["--backend", "http://h:1", "--kv-events", "h:5557"], "--kv-events must be a ZMQ"),
         (["--backend", "http://h:1", "--kv-events-replay", "tcp://h:6"], "needs --kv-events"),
         (["--backend", "http://h:1", "--window-ms", "20", "--lone-wait-ms", "30"], "lone_wait_ms"),
+        (["--backend", "http://h:1", "--window-ms", "20", "--quiet-ms", "30"], "quiet_ms"),
         (["--backend", "http://h:1", "--policy", "random"], "invalid choice: 'random'"),
         (["--backend", "http://h:1", "--max-per-replica", "0"], "max_per_replica"),
         (["--backend", "http://h:1", "--port", "70000"], "a port is at most 65535"),

@@ -267,6 +267,9 @@ def test_router_hashes_prompts_with_the_partial_block() -> None:
         ("lone_wait_ms", 101),
         ("lone_wait_ms", 2.5),
         ("lone_wait_ms", True),
+        ("quiet_ms", 0),
+        ("quiet_ms", 101),
+        ("quiet_ms", 1.5),
     ],
 )
 def test_invalid_config_is_rejected_naming_the_value(field: str, value: object) -> None:
@@ -315,6 +318,26 @@ def test_window_seals_at_deadline_and_a_second_window_opens_after() -> None:
     (only,) = r.tick(0.31)
     assert isinstance(only, NoAffinity) and only.request_id == 3
     r.check_invariants()
+
+
+def test_quiet_seal_places_a_burst_once_it_stops_arriving() -> None:
+    r = BurstRouter(BurstConfig(window_ms=100, quiet_ms=5), reps(2))
+    for i, t in enumerate((0.0, 0.002, 0.004)):
+        assert r.arrive(req(i), t) == ()
+        assert r.deadline == pytest.approx(t + 0.005)  # each arrival moves the seal later
+    assert r.tick(0.0089) == ()
+    sealed = r.tick(0.0091)
+    assert [a.request_id for a in sealed] == [0, 1, 2]
+    assert len({a.replica for a in sealed if isinstance(a, Placed)}) == 1
+    r.check_invariants()
+
+
+def test_quiet_seal_never_outlasts_the_window() -> None:
+    r = BurstRouter(BurstConfig(window_ms=20, quiet_ms=5), reps(2))
+    for i in range(5):  # one arrival every 4 ms: never quiet for 5 ms
+        assert r.arrive(req(i), i * 0.004) == ()
+    assert r.deadline == pytest.approx(0.02)  # min(0 + 20 ms, 16 ms + 5 ms)
+    assert [a.request_id for a in r.tick(0.02)] == [0, 1, 2, 3, 4] and r.pending == ()
 
 
 def test_adaptive_window_releases_a_lone_request_after_its_wait() -> None:

@@ -83,7 +83,8 @@ def test_the_machine_catches_a_router_that_ignores_known_prefixes() -> None:
             BurstRouterConformance.for_factory(ignores, known=True),
             settings=settings(
                 derandomize=True,
-                stateful_step_count=25,
+                stateful_step_count=50,
+                max_examples=300,
                 database=None,
                 report_multiple_bugs=False,
                 phases=[Phase.generate],
@@ -101,8 +102,9 @@ def test_the_machine_catches_a_router_that_ignores_known_prefixes() -> None:
         {"full_batch": "seal_early"},  # issue 9's defect 13: seals a full batch early
         {"lone_wait_ms": None},  # never releases a lone request early
         {"lone_wait_ms": 1},  # releases lone requests too early
+        {"quiet_ms": None},  # never seals a quiet window early
     ],
-    ids=["no-cap", "always-seal-early", "no-adaptive-window", "short-lone-wait"],
+    ids=["no-cap", "always-seal-early", "no-adaptive-window", "short-lone-wait", "no-quiet-seal"],
 )
 def test_the_machine_catches_a_wrong_router(change: dict[str, object]) -> None:
     """A router that mishandles full batches or the adaptive window must fail the

@@ -84,6 +84,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "window after MS instead of at the window's end (default: off, as llm-d)",
     )
     g.add_argument(
+        "--quiet-ms",
+        type=at_least(1),
+        default=None,
+        metavar="MS",
+        help="quiet seal: seal the window once no request has joined it for MS, never later "
+        "than --window-ms after it opened (default: off, as llm-d)",
+    )
+    g.add_argument(
         "--max-per-replica",
         type=int,
         default=-1,
@@ -189,6 +197,7 @@ def run(args: argparse.Namespace) -> int:
             burst=BurstConfig(
                 window_ms=args.window_ms,
                 lone_wait_ms=args.lone_wait_ms,
+                quiet_ms=args.quiet_ms,
                 max_per_replica=args.max_per_replica,
                 block_size_tokens=args.block_size_tokens,
                 min_colocate_blocks=args.min_colocate_blocks,

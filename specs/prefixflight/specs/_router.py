@@ -4,7 +4,9 @@
 prefix-cache producer): slow, with linear scans and explicit common-prefix comparisons
 instead of the implementation's hash index. `ReferenceWindow` is the batch window as a list.
 `ReferenceWindow` includes the adaptive window (``lone_wait_ms``): a request sharing its
-prefix with no other waiting request is released after that wait, read as a list scan.
+prefix with no other waiting request is released after that wait, read as a list scan; and
+the quiet seal (``quiet_ms``): the deadline is the earlier of the window's end and
+``quiet_ms`` after the latest request joined.
 `BurstRouterConformance.for_factory(factory)` runs any implementation side by side with the
 model after every step::
 
@@ -187,11 +189,18 @@ class ReferenceWindow:
         self.known = known
         self.waiting: list[tuple[RouteRequest, float]] = []
         self.opened_at: float | None = None
+        self.joined_at: float | None = None  # when the latest request joined the window
         self.now = float("-inf")
 
     @property
     def deadline(self) -> float | None:
-        return None if self.opened_at is None else self.opened_at + self.config.window_s
+        """``window_ms`` after the window opened, or (quiet seal) ``quiet_ms`` after the
+        latest request joined it, whichever is first."""
+        if self.opened_at is None or self.joined_at is None:
+            return None
+        end = self.opened_at + self.config.window_s
+        quiet = self.config.quiet_s
+        return end if quiet is None else min(end, self.joined_at + quiet)
 
     @property
     def wake_at(self) -> float | None:
@@ -237,11 +246,11 @@ class ReferenceWindow:
         )
         self.waiting = [(r, at) for r, at in self.waiting if r.request_id not in gone]
         if not self.waiting:
-            self.opened_at = None
+            self.opened_at = self.joined_at = None
         return out
 
     def _seal(self) -> tuple[Assignment, ...]:
-        batch, self.waiting, self.opened_at = self.waiting, [], None
+        batch, self.waiting, self.opened_at, self.joined_at = self.waiting, [], None, None
         return reference_assign([r for r, _ in batch], self.replicas, self.config, self.known)
 
     def _check_time(self, now: float) -> None:
@@ -275,6 +284,7 @@ class ReferenceWindow:
             return (*out, NoAffinity(request_id=request.request_id))
         if self.opened_at is None:
             self.opened_at = now
+        self.joined_at = now
         self.waiting.append((request, now))
         if self._full() and self.config.full_batch == "seal_early":
             out += self._seal()
@@ -292,7 +302,7 @@ class ReferenceWindow:
             raise UsageError(f"{request_id!r} is not waiting")
         self.waiting = [(r, at) for r, at in self.waiting if r.request_id != request_id]
         if not self.waiting:
-            self.opened_at = None
+            self.opened_at = self.joined_at = None
 
     def update_replicas(self, replicas: Sequence[ReplicaLoad]) -> None:
         names = [r.name for r in replicas]
@@ -364,7 +374,8 @@ def replica_loads(max_replicas: int = 4) -> st.SearchStrategy[list[ReplicaLoad]]
 @st.composite
 def burst_configs(draw: st.DrawFn) -> BurstConfig:
     """Small configurations that reach every branch quickly (block size 4); half of them
-    with the adaptive window (``lone_wait_ms`` at most the window)."""
+    with the adaptive window (``lone_wait_ms`` at most the window), a quarter with the quiet
+    seal (``quiet_ms``)."""
     window_ms = draw(st.sampled_from([10, 50, 100]))
     return BurstConfig(
         window_ms=window_ms,
@@ -376,6 +387,7 @@ def burst_configs(draw: st.DrawFn) -> BurstConfig:
         full_batch=draw(st.sampled_from(["no_affinity", "seal_early"])),
         balance_by=draw(st.sampled_from(["requests", "tokens"])),
         lone_wait_ms=draw(st.sampled_from([None, 4, window_ms // 2, window_ms])),
+        quiet_ms=draw(st.sampled_from([None, None, 4, window_ms // 2])),
     )
 
 

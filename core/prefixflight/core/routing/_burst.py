@@ -38,6 +38,12 @@ as before. The burst's samples arrive within milliseconds of each other, so the 
 no longer alone by the time its short wait ends; a request nobody shares with stops paying the
 whole window.
 
+The quiet seal (``quiet_ms``, a prefixflight extension, off by default): the window also
+seals once no request has joined it for ``quiet_ms``, so a burst that arrives within a few
+milliseconds is placed a few milliseconds after its last sample instead of at the end of the
+window. The window never outlasts ``window_ms``. A burst with a longer gap inside it is
+sealed in two batches; with ``known`` (below) the second follows the first.
+
 Known prefixes (``known``, a prefixflight extension, off by default): a `PrefixIndex` over
 the router's own keys, read when a batch seals, of what replicas are known to hold already
 (e.g. `ApproxPrefixRouter`, which records every routing decision at once). A unit whose
@@ -105,6 +111,10 @@ class BurstConfig:
       ``1..window_ms``: a request that shares its prefix (an identical key, or at least
       ``min_colocate_blocks`` leading blocks when that is set) with no other waiting request
       is released `NoAffinity` once it has waited that long.
+    - ``quiet_ms``: the quiet seal (a prefixflight extension, not in llm-d). ``None`` (the
+      default, llm-d's behaviour): a window seals ``window_ms`` after it opened. An int in
+      ``1..window_ms``: it seals earlier, once ``quiet_ms`` have passed since the last request
+      joined it.
     """
 
     window_ms: int = 100
@@ -116,6 +126,7 @@ class BurstConfig:
     full_batch: FullBatch = "no_affinity"
     balance_by: BalanceBy = "requests"
     lone_wait_ms: int | None = None
+    quiet_ms: int | None = None
 
     def __attrs_post_init__(self) -> None:
         w = check_int("window_ms", self.window_ms)
@@ -136,12 +147,10 @@ class BurstConfig:
             raise ConfigError(f"max_batch_size must be -1 (unlimited) or >= 1, got {b!r}")
         check_choice("full_batch", self.full_batch, ("no_affinity", "seal_early"))
         check_choice("balance_by", self.balance_by, ("requests", "tokens"))
-        if self.lone_wait_ms is not None:
-            lw = check_int("lone_wait_ms", self.lone_wait_ms)
-            if not 1 <= lw <= w:
-                raise ConfigError(
-                    f"lone_wait_ms must be None or in 1..window_ms ({w}), got {lw!r}"
-                )
+        for name in ("lone_wait_ms", "quiet_ms"):
+            value = getattr(self, name)
+            if value is not None and not 1 <= check_int(name, value) <= w:
+                raise ConfigError(f"{name} must be None or in 1..window_ms ({w}), got {value!r}")
 
     @property
     def max_prefix_blocks(self) -> int:
@@ -157,6 +166,10 @@ class BurstConfig:
     @property
     def lone_wait_s(self) -> float | None:
         return None if self.lone_wait_ms is None else self.lone_wait_ms / 1000.0
+
+    @property
+    def quiet_s(self) -> float | None:
+        return None if self.quiet_ms is None else self.quiet_ms / 1000.0
 
 
 @final
@@ -428,6 +441,7 @@ class BurstRouter:
         "_known",
         "_lone",
         "_now",
+        "_opened",
         "_pending",
         "_releases",
         "_replicas",
@@ -456,6 +470,7 @@ class BurstRouter:
         )
         self._pending: dict[RequestId, RouteRequest] = {}
         self._deadline: float | None = None
+        self._opened: float | None = None  # when the open window opened
         self._now = float("-inf")
         # the adaptive window's bookkeeping (empty unless lone_wait_ms is set): each waiting
         # request's (release time, arrival number); the waiting ids per key and per leading
@@ -477,7 +492,8 @@ class BurstRouter:
 
     @property
     def deadline(self) -> float | None:
-        """When the open window seals; ``None`` when no window is open."""
+        """When the open window seals (as things stand: with ``quiet_ms`` an arrival moves it
+        later, up to ``window_ms`` after the window opened); ``None`` when no window is open."""
         return self._deadline
 
     @property
@@ -523,6 +539,8 @@ class BurstRouter:
         `NoAffinity` at once and not added (``full_batch="no_affinity"``, as llm-d); with
         ``full_batch="seal_early"`` the arrival that fills the batch seals it, itself
         included. An id may arrive again only once it no longer waits (sealed, released).
+        With ``quiet_ms``, a request that joins moves the deadline to ``quiet_ms`` after it,
+        never past ``window_ms`` after the window opened.
         """
         t = check_time("now", now, after=self._now)
         check_instance("request", request, RouteRequest, error=UsageError)
@@ -537,8 +555,14 @@ class BurstRouter:
         limit = self._config.max_batch_size
         if limit != UNLIMITED and len(self._pending) >= limit:  # only with "no_affinity"
             return (*out, NoAffinity(request_id=rid))  # batch full: the fallback decides
-        if self._deadline is None:
-            self._deadline = t + self._config.window_s
+        if self._opened is None:
+            self._opened = t
+        quiet = self._config.quiet_s
+        self._deadline = (
+            self._opened + self._config.window_s
+            if quiet is None
+            else min(self._opened + self._config.window_s, t + quiet)
+        )
         self._pending[rid] = request
         wait = self._config.lone_wait_s
         if wait is not None:
@@ -575,8 +599,10 @@ class BurstRouter:
 
     def check_invariants(self) -> None:
         assert (self._deadline is None) == (not self._pending), "window open iff requests wait"
-        if self._deadline is not None:
+        assert (self._opened is None) == (self._deadline is None)
+        if self._deadline is not None and self._opened is not None:
             assert self._deadline <= self._now + self._config.window_s
+            assert self._deadline <= self._opened + self._config.window_s
         limit = self._config.max_batch_size
         if limit != UNLIMITED:
             if self._config.full_batch == "seal_early":
@@ -599,7 +625,7 @@ class BurstRouter:
             tuple(self._pending.values()), self._replicas, self._config, self._known
         )
         self._pending = {}  # only once the assignment exists: a failure loses nothing
-        self._deadline = None
+        self._deadline = self._opened = None
         self._releases.clear()
         self._by_key.clear()
         self._by_sig.clear()
@@ -666,7 +692,7 @@ class BurstRouter:
         """Remove a waiting request; a request it shared with may turn lone."""
         request = self._pending.pop(rid)
         if not self._pending:
-            self._deadline = None
+            self._deadline = self._opened = None
         if self._releases.pop(rid, None) is None:
             return
         key = self._key(request)

@@ -76,6 +76,7 @@ class BurstRequestRouter(OwnRequestRoutingMixin, RequestRouter):
         max_batch_size: int = 1000,
         balance_by: str = "requests",
         lone_wait_ms: int | None = None,
+        quiet_ms: int | None = None,
         engine_block_size: int = 16,
         fallback: FallbackName = "approx",
         residency_source: str | None = None,
@@ -104,6 +105,7 @@ class BurstRequestRouter(OwnRequestRoutingMixin, RequestRouter):
             max_batch_size=max_batch_size,
             balance_by=cast(Any, balance_by),
             lone_wait_ms=lone_wait_ms,
+            quiet_ms=quiet_ms,
         )
         residency: PrefixIndex | None = None
         if residency_source == "kv_events":
