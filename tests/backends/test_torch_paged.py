@@ -24,6 +24,8 @@ from hypothesis import strategies as st  # noqa: E402
 from prefixflight.backends.torch import TransformersRunner  # noqa: E402
 from prefixflight.core import ConfigError, DecodeWork, PrefillWork, StepPlan  # noqa: E402
 
+from .conftest import run  # noqa: E402
+
 pytestmark = pytest.mark.torch
 
 ATOL = 1e-4
@@ -365,6 +367,37 @@ def test_smollm2_bf16_paged_close_to_gather(smollm2: Any) -> None:
         assert float((a - b).abs().max()) < 0.05 * float(b.abs().max())
         same += int(a.argmax() == b.argmax())
     assert same >= len(got[0]) - 1
+
+
+@pytest.mark.realmodel
+def test_smollm2_bf16_engine_answers_as_transformers_does(smollm2: Any) -> None:
+    """Greedy in bf16, the engine's fused forward answers what transformers' own generate
+    answers. The fused norm once rounded differently from transformers' (once instead of
+    twice), and on a CPU with native bf16 SmolLM2 answered "L'Étoile, la Marseillaise"."""
+    import copy
+
+    from prefixflight.backends.torch import AsyncEngine, EngineConfig, SamplingParams
+
+    model = copy.deepcopy(smollm2.model).to(torch.bfloat16)
+    tok = smollm2.tokenizer
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = tok.apply_chat_template(chat, add_generation_prompt=True)
+    ids = list(getattr(ids, "input_ids", ids))
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    with torch.no_grad():
+        want = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)
+    want_ids = want[0, len(ids) :].tolist()
+
+    async def ours() -> list[int]:
+        engine = AsyncEngine.from_model(
+            model, EngineConfig(num_pages=64), device="cpu", eos_token_ids=[eos]
+        )
+        async with engine:
+            return [t async for t in engine.generate(ids, SamplingParams(max_tokens=12))]
+
+    got = run(ours)
+    assert tok.decode(got) == tok.decode(want_ids[: len(got)]), (tok.decode(got), want_ids)
+    assert "Paris" in tok.decode(got)
 
 
 def test_unsupported_architecture_runs_its_own_modules(tiny_factory: Any) -> None:

@@ -143,9 +143,15 @@ class _Layer:
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' ``LlamaRMSNorm`` as one fused operation (statistics in fp32; in bf16 the
-    weight product is rounded once instead of twice)."""
-    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    """transformers' ``LlamaRMSNorm``: the statistics and the normalisation in fp32, rounded to
+    the model's dtype, then the product with the weight in that dtype (one fused operation in
+    fp32). Rounding once instead (``F.rms_norm`` in bf16, weight included) is as accurate per
+    call, but the model was trained with this order, and on a CPU with native bf16 its
+    greedy answers drifted: SmolLM2 answered "L'Étoile, la Marseillaise" to "What is the
+    capital of France?" where transformers answers "Paris"."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
 @final
