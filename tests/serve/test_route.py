@@ -305,6 +305,79 @@ def test_a_dead_backend_is_skipped_and_all_dead_is_503(
     assert httpx.get(only_dead.base_url + "/health").status_code == 503
 
 
+class RawBackend:
+    """A real loopback HTTP server that misbehaves on purpose: it answers every request with
+    ``reply`` (raw bytes, possibly a cut stream), then closes, or with ``reply=None`` never
+    answers. It listens on its own thread."""
+
+    def __init__(self, reply: bytes | None) -> None:
+        import threading
+
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.reply = reply
+        self.held: list[socket.socket] = []
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:  # closed by stop()
+                return
+            conn.recv(65536)  # the request (headers and the small body)
+            if self.reply is None:
+                self.held.append(conn)  # silent: the router's timeout decides
+                continue
+            conn.sendall(self.reply)
+            conn.close()
+
+    def stop(self) -> None:
+        self.sock.close()
+        for conn in self.held:
+            conn.close()
+
+
+EVENT = b'data: {"choices": [{"text": "a"}]}\n\n'
+CUT_STREAM = (  # one event in a chunked stream, then the connection drops
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+    + b"%x\r\n" % len(EVENT)
+    + EVENT
+    + b"\r\n"
+)
+
+
+def test_a_backend_that_breaks_mid_stream_ends_the_stream_with_an_error_event(
+    start_router: Callable[..., ServerThread],
+) -> None:
+    backend = RawBackend(CUT_STREAM)
+    try:
+        router = start_router([backend.url], policy="round_robin")
+        body = {"model": MODEL_NAME, "prompt": "hello", "stream": True}
+        with httpx.stream("POST", router.base_url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            text = r.read().decode()
+        assert text.startswith(EVENT.decode()), text
+        assert "failed mid-stream" in text and text.endswith("data: [DONE]\n\n"), text
+        until(lambda: router_state(router).total_in_flight == 0, "the router's count")
+    finally:
+        backend.stop()
+
+
+def test_a_backend_that_never_answers_is_a_504_after_the_timeout(
+    start_router: Callable[..., ServerThread],
+) -> None:
+    backend = RawBackend(None)
+    try:
+        router = start_router([backend.url], policy="round_robin", timeout_s=0.5)
+        r = httpx.post(router.base_url + "/v1/completions", json={"prompt": "x"}, timeout=30)
+        assert r.status_code == 504 and "did not answer in time" in r.json()["error"]["message"]
+        assert router_state(router).total_in_flight == 0
+    finally:
+        backend.stop()
+
+
 def test_config_mistakes_name_the_value() -> None:
     from prefixflight.core import ConfigError
     from prefixflight.serve.route import Backend as RouteBackend

@@ -20,7 +20,6 @@ closed when the server shuts down); text is encoded and decoded in a thread of i
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import signal
@@ -147,9 +146,9 @@ def _sigterm_returns() -> Iterator[None]:
 
 
 def uvicorn_server(app: FastAPI, *, log_level: str = "warning", access_log: bool = False) -> Any:
-    """The uvicorn server `serve` runs ``app`` (from `build_app`) on: uvicorn's h11 protocol
-    with a deadline for request headers, the app's keep-alive timeout, and a shutdown that
-    drains (`Server.drain`). Run it with ``await server.serve(sockets=[sock])``."""
+    """The uvicorn server `serve` runs ``app`` (from `build_app`) on: uvicorn's httptools
+    protocol with a deadline for request headers, the app's keep-alive timeout, and a shutdown
+    that drains (`Server.drain`). Run it with ``await server.serve(sockets=[sock])``."""
     state: Server = app.state.server
     return GracefulServer.for_app(
         app,
@@ -174,4 +173,4 @@ def serve(
     and ``[DONE]``), close the engine. A second Ctrl-C stops at once."""
     server = uvicorn_server(app, log_level=log_level, access_log=access_log)
     with _sigterm_returns():
-        asyncio.run(server.serve(sockets=[sock]))
+        server.serve_on(sock)

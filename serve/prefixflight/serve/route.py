@@ -39,8 +39,8 @@ import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, Final, final
 
+import aiohttp
 import attrs
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import (
@@ -81,6 +81,7 @@ __all__ = [
 MIB: Final = 1 << 20
 
 _RELAYED_HEADERS: Final = ("content-type", "authorization", "accept")
+_PROBE: Final = aiohttp.ClientTimeout(total=5.0)  # a /health probe of a backend marked down
 _NOT_RELAYED: Final = frozenset(  # hop-by-hop, or set by this server itself
     {
         "connection",
@@ -374,7 +375,7 @@ class _Router:
         self.metrics.decision.labels(config.policy)
         self.waiters: dict[str, asyncio.Future[str]] = {}
         self.timer: asyncio.TimerHandle | None = None
-        self.client: httpx.AsyncClient | None = None
+        self.client: aiohttp.ClientSession | None = None
         self.health_task: asyncio.Task[None] | None = None
         self.subscriber: Any = None
 
@@ -457,11 +458,11 @@ class _Router:
     # -- relaying -------------------------------------------------------------------------
     async def send(
         self, name: str, method: str, path: str, request: Request, body: bytes | None
-    ) -> httpx.Response:
+    ) -> aiohttp.ClientResponse:
+        """The backend's answer, its headers read and its body still to come."""
         assert self.client is not None
         headers = {k: v for k in _RELAYED_HEADERS if (v := request.headers.get(k)) is not None}
-        upstream = self.client.build_request(method, name + path, content=body, headers=headers)
-        return await self.client.send(upstream, stream=True)
+        return await self.client.request(method, name + path, data=body, headers=headers)
 
     async def relay(
         self, endpoint: str, path: str, request: Request, body: bytes, first: str
@@ -472,7 +473,7 @@ class _Router:
             self.count(name, +1)
             try:
                 upstream = await self.send(name, "POST", path, request, body)
-            except httpx.ConnectError:
+            except aiohttp.ClientConnectorError:
                 self.count(name, -1)
                 self.metrics.errors.labels(name, "connect").inc()
                 self.mark(name, False)
@@ -481,11 +482,11 @@ class _Router:
                     break
                 name = other
                 continue
-            except httpx.TimeoutException:
+            except asyncio.TimeoutError:
                 self.count(name, -1)
                 self.metrics.errors.labels(name, "timeout").inc()
                 raise HttpError(504, f"backend {name} did not answer in time", "timeout") from None
-            except httpx.HTTPError as exc:
+            except aiohttp.ClientError as exc:
                 self.count(name, -1)
                 self.metrics.errors.labels(name, "transport").inc()
                 raise HttpError(502, f"backend {name} failed: {exc}", "bad_gateway") from None
@@ -493,21 +494,21 @@ class _Router:
             return await self.answer(name, upstream)
         raise HttpError(503, "no backend is up", "service_unavailable")
 
-    async def answer(self, name: str, upstream: httpx.Response) -> Response:
+    async def answer(self, name: str, upstream: aiohttp.ClientResponse) -> Response:
         media = upstream.headers.get("content-type", "")
         headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _NOT_RELAYED}
-        if upstream.status_code == 200 and media.startswith("text/event-stream"):
+        if upstream.status == 200 and media.startswith("text/event-stream"):
             return _Relay(self, name, upstream, headers)
         try:
-            content = await upstream.aread()
-        except httpx.HTTPError as exc:
+            content = await upstream.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             self.metrics.errors.labels(name, "transport").inc()
             raise HttpError(502, f"backend {name} failed: {exc}", "bad_gateway") from None
         finally:
-            await upstream.aclose()
+            upstream.release()
             self.count(name, -1)
         return Response(
-            content, status_code=upstream.status_code, media_type=media or None, headers=headers
+            content, status_code=upstream.status, media_type=media or None, headers=headers
         )
 
     async def drain(self) -> None:
@@ -524,9 +525,10 @@ class _Router:
         while True:
             await asyncio.sleep(self.config.health_interval_s)
             for name in [n for n in self.names if not self.up[n]]:
-                with contextlib.suppress(httpx.HTTPError):
-                    if (await self.client.get(name + "/health", timeout=5.0)).status_code == 200:
-                        self.mark(name, True)
+                with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+                    async with self.client.get(name + "/health", timeout=_PROBE) as answer:
+                        if answer.status == 200:
+                            self.mark(name, True)
 
     def scrape(self) -> bytes:
         sub = self.subscriber
@@ -544,7 +546,11 @@ class _Relay(Response):
     media_type: str | None = "text/event-stream"
 
     def __init__(
-        self, router: _Router, name: str, upstream: httpx.Response, headers: Mapping[str, str]
+        self,
+        router: _Router,
+        name: str,
+        upstream: aiohttp.ClientResponse,
+        headers: Mapping[str, str],
     ) -> None:
         super().__init__(headers={**headers, "cache-control": "no-cache"})
         # a stream has no length (Response would declare an empty body)
@@ -555,13 +561,16 @@ class _Relay(Response):
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         name, upstream = self._name, self._upstream
+        whole = False  # the upstream answer was read to its end (its connection is reusable)
 
         async def pump() -> None:
+            nonlocal whole
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             try:
-                async for chunk in upstream.aiter_raw():
+                async for chunk in upstream.content.iter_any():
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            except httpx.HTTPError as exc:
+                whole = True
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 self._router.metrics.errors.labels(name, "stream").inc()
                 err = error_body(
                     502, f"backend {name} failed mid-stream: {type(exc).__name__}", "bad_gateway"
@@ -582,7 +591,10 @@ class _Relay(Response):
             for task in (pumping, watching):
                 task.cancel()
             await asyncio.gather(pumping, watching, return_exceptions=True)
-            await upstream.aclose()
+            if whole:
+                upstream.release()
+            else:
+                upstream.close()  # closes the connection: the backend aborts the request
             self._router.count(name, -1)
 
 
@@ -618,9 +630,9 @@ def build_route_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-        router.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(config.timeout_s, connect=5.0), limits=limits
+        router.client = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0),  # no cap on connections to backends
+            timeout=aiohttp.ClientTimeout(total=None, connect=5.0, sock_read=config.timeout_s),
         )
         if subscriber is not None:
             subscriber.start()
@@ -633,7 +645,7 @@ def build_route_app(
                 await router.health_task
             if router.timer is not None:
                 router.timer.cancel()
-            await router.client.aclose()
+            await router.client.close()
             if subscriber is not None:
                 subscriber.close()
 
@@ -693,7 +705,7 @@ def build_route_app(
         router.count(name, +1)
         try:
             upstream = await router.send(name, method, path, request, None)
-        except httpx.HTTPError as exc:
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             router.count(name, -1)
             raise HttpError(502, f"backend {name} failed: {exc}", "bad_gateway") from None
         return await router.answer(name, upstream)
@@ -758,4 +770,4 @@ def serve(
 
     server = route_server(app, log_level=log_level, access_log=access_log)
     with _sigterm_returns():
-        asyncio.run(server.serve(sockets=[sock]))
+        server.serve_on(sock)
