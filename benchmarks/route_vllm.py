@@ -331,15 +331,45 @@ async def _at(client: Any, at: float, req: dict[str, Any], t0: float) -> dict[st
     return await one(client, req, t0)
 
 
+async def reset(replicas: list[Replica], base: str) -> None:
+    """Empty the replicas' prefix caches, and the router's KV index with them.
+
+    vLLM publishes the AllBlocksCleared of a ``/reset_prefix_cache`` only with its next
+    engine step, so each replica gets a one-token request of its own (shorter than a block:
+    it stores nothing); then, for a router that shows its KV index
+    (``prefixflight_route_kv_blocks``), the index is awaited empty. Without this, a router
+    started after another one ran the same prompts read the first one's blocks as resident
+    during its first GRPO step, and sent samples where nothing was cached any more."""
+    import httpx
+
+    async with httpx.AsyncClient(timeout=60) as client:
+        for r in replicas:
+            r.reset()
+            poke = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+            (await client.post(r.url + "/v1/completions", json=poke)).raise_for_status()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            text = (await client.get(base + "/metrics")).text
+            held = [
+                float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines()
+                if line.startswith("prefixflight_route_kv_blocks{")
+            ]
+            if not any(held):  # empty, or not a router with an index (a peer)
+                break
+            await asyncio.sleep(0.05)  # polling a real condition, bounded above
+        else:
+            raise RuntimeError(f"the router's KV index did not empty after the reset: {held}")
+    await asyncio.sleep(0.5)  # a peer's own KV-event index (vllm-router's) catches up too
+
+
 async def run_phases(base: str, steps: Any, mix: Any, replicas: list[Replica]) -> dict[str, Any]:
     import openai
 
     out: dict[str, Any] = {}
     async with openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", max_retries=0) as c:
         await one(c, {"group": None, "prompt": "warm up", "max_tokens": 2, "seed": 0}, 0.0)
-        for r in replicas:
-            r.reset()
-        await asyncio.sleep(0.5)  # the replicas' AllBlocksCleared reaches the KV indexes
+        await reset(replicas, base)
         for phase in ("grpo", "mix"):
             before = [r.metrics() for r in replicas]
             t0 = time.perf_counter()

@@ -226,9 +226,15 @@ def run(args: argparse.Namespace) -> int:
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
         events = "KV events from each" if args.kv_events else "no KV events"
+        policy = args.policy
+        if policy == "burst":
+            extras = [f"window {args.window_ms} ms"]
+            extras += [f"lone wait {args.lone_wait_ms} ms"] if args.lone_wait_ms else []
+            extras += [f"quiet seal {args.quiet_ms} ms"] if args.quiet_ms else []
+            policy += f" ({', '.join(extras)})"
         print(
-            f"prefixflight route: http://{shown}:{port} -> {n} backend(s), policy "
-            f"{args.policy} (window {args.window_ms} ms), {events}",
+            f"prefixflight route: http://{shown}:{port} -> {n} backend(s), policy {policy}, "
+            f"{events}",
             file=sys.stderr,
             flush=True,
         )
