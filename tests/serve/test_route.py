@@ -378,6 +378,82 @@ def test_a_backend_that_never_answers_is_a_504_after_the_timeout(
         backend.stop()
 
 
+class DroppingBackend:
+    """A real loopback HTTP server that answers the first request of each connection and
+    keeps the connection open, then closes it when a second request arrives on it, without
+    answering: a keep-alive connection the server dropped just as it was reused."""
+
+    ANSWER = b'{"ok": true}'
+
+    def __init__(self) -> None:
+        import threading
+
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.connections = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    @staticmethod
+    def _read_request(conn: socket.socket) -> bool:
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = conn.recv(65536)
+            if not chunk:
+                return False
+            data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        length = 0
+        for line in head.split(b"\r\n")[1:]:
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value)
+        while len(body) < length:
+            body += conn.recv(65536)
+        return True
+
+    def _serve(self) -> None:
+        import threading
+
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:  # closed by stop()
+                return
+            self.connections += 1
+            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
+
+    def _one(self, conn: socket.socket) -> None:
+        with conn:
+            if not self._read_request(conn):
+                return
+            conn.sendall(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                + b"content-length: %d\r\n\r\n" % len(self.ANSWER)
+                + self.ANSWER
+            )
+            self._read_request(conn)  # the next request on this connection: dropped
+
+    def stop(self) -> None:
+        self.sock.close()
+
+
+def test_a_keep_alive_connection_the_backend_dropped_is_retried_on_a_new_one(
+    start_router: Callable[..., ServerThread],
+) -> None:
+    backend = DroppingBackend()
+    try:
+        router = start_router([backend.url], policy="round_robin")
+        url = router.base_url + "/v1/completions"
+        for _ in range(3):  # the second and third reuse a connection the backend then drops
+            r = httpx.post(url, json={"prompt": "x"}, timeout=30)
+            assert r.status_code == 200 and r.json() == {"ok": True}, r.text
+        text = httpx.get(router.base_url + "/metrics", timeout=10).text
+        assert 'kind="stale_connection"' in text, text
+        assert router_state(router).total_in_flight == 0
+    finally:
+        backend.stop()
+
+
 def test_config_mistakes_name_the_value() -> None:
     from prefixflight.core import ConfigError
     from prefixflight.serve.route import Backend as RouteBackend

@@ -323,7 +323,8 @@ class _Metrics:
         )
         self.errors = Counter(
             "prefixflight_route_upstream_errors",
-            "Requests a backend could not answer (connect, timeout, broken stream).",
+            "Requests a backend could not answer (connect, timeout, broken stream), and requests "
+            "sent again because a kept connection had been dropped (stale_connection).",
             ["backend", "kind"],
             registry=r,
         )
@@ -376,6 +377,7 @@ class _Router:
         self.waiters: dict[str, asyncio.Future[str]] = {}
         self.timer: asyncio.TimerHandle | None = None
         self.client: aiohttp.ClientSession | None = None
+        self.fresh_client: aiohttp.ClientSession | None = None  # no kept connections
         self.health_task: asyncio.Task[None] | None = None
         self.subscriber: Any = None
 
@@ -459,10 +461,22 @@ class _Router:
     async def send(
         self, name: str, method: str, path: str, request: Request, body: bytes | None
     ) -> aiohttp.ClientResponse:
-        """The backend's answer, its headers read and its body still to come."""
-        assert self.client is not None
+        """The backend's answer, its headers read and its body still to come.
+
+        A request whose pooled keep-alive connection the backend had closed (it fails while
+        writing, or the connection drops before any answer) is sent again once, on a new
+        connection that is not kept (the backend never started it). A refused connection is
+        not retried here (`relay` tries another backend)."""
+        assert self.client is not None and self.fresh_client is not None
         headers = {k: v for k in _RELAYED_HEADERS if (v := request.headers.get(k)) is not None}
-        return await self.client.request(method, name + path, data=body, headers=headers)
+        url = name + path
+        try:
+            return await self.client.request(method, url, data=body, headers=headers)
+        except aiohttp.ClientConnectorError:
+            raise
+        except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError):
+            self.metrics.errors.labels(name, "stale_connection").inc()
+        return await self.fresh_client.request(method, url, data=body, headers=headers)
 
     async def relay(
         self, endpoint: str, path: str, request: Request, body: bytes, first: str
@@ -630,9 +644,14 @@ def build_route_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        timeout = aiohttp.ClientTimeout(total=None, connect=5.0, sock_read=config.timeout_s)
+        # no cap on connections to backends; idle ones closed before a uvicorn backend's
+        # default keep-alive (5 s) would close them under a request
         router.client = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0),  # no cap on connections to backends
-            timeout=aiohttp.ClientTimeout(total=None, connect=5.0, sock_read=config.timeout_s),
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0), timeout=timeout
+        )
+        router.fresh_client = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, force_close=True), timeout=timeout
         )
         if subscriber is not None:
             subscriber.start()
@@ -646,6 +665,7 @@ def build_route_app(
             if router.timer is not None:
                 router.timer.cancel()
             await router.client.close()
+            await router.fresh_client.close()
             if subscriber is not None:
                 subscriber.close()
 
