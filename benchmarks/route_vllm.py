@@ -50,9 +50,9 @@ BLOCK = 32  # vLLM's KV block size here (a multiple of 32 on CPU)
 G = 8
 
 ROUTERS = {
-    "burst": "prefixflight route --policy burst (window 100 ms, KV events)",
-    "burst_adaptive": "prefixflight route --policy burst --lone-wait-ms 10 (KV events)",
-    "burst_quiet": "prefixflight route --policy burst --quiet-ms 10 (KV events)",
+    "burst": "prefixflight route --quiet-ms 0 (llm-d's fixed 100 ms window, KV events)",
+    "burst_adaptive": "prefixflight route --quiet-ms 0 --lone-wait-ms 10 (KV events)",
+    "burst_quiet": "prefixflight route --quiet-ms 10 (the default; KV events)",
     "prefix": "prefixflight route --policy prefix (no window, KV events)",
     "round_robin": "prefixflight route --policy round_robin",
     "vllm_router_cache_aware": "vllm-router --policy cache_aware",
@@ -217,10 +217,9 @@ def start_router(
         if name != "round_robin":
             for r in replicas:
                 argv += ["--kv-events", r.kv, "--kv-events-replay", r.replay]
+        argv += ["--quiet-ms", "10" if name == "burst_quiet" else "0"]
         if name == "burst_adaptive":
             argv += ["--lone-wait-ms", "10"]
-        if name == "burst_quiet":
-            argv += ["--quiet-ms", "10"]
         env["PYTHONPATH"] = os.pathsep.join(
             str(ROOT / d) for d in ("core", "specs", "backends", "serve")
         )

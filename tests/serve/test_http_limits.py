@@ -71,6 +71,28 @@ def test_connections_that_send_no_whole_request_are_closed(start_server: Any) ->
     assert httpx.get(quick.base_url + "/health").status_code == 200
 
 
+def test_request_headers_over_16_kib_are_a_400_and_the_connection_closes(
+    start_server: Any,
+) -> None:
+    server = start_server()
+    addr = ("127.0.0.1", server.port)
+    for size, want in ((15_000, b"HTTP/1.1 200"), (17_000, b"HTTP/1.1 400"), (8_000_000, b"")):
+        with socket.create_connection(addr) as s:
+            head = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * size + b"\r\n\r\n"
+            try:
+                s.sendall(head)
+            except (BrokenPipeError, ConnectionResetError):  # closed while 8 MB were sent
+                assert not want
+                continue
+            s.settimeout(WAIT)
+            answer = s.recv(65536)
+            assert answer.startswith(want), (size, answer[:80])
+            if want == b"HTTP/1.1 400":
+                assert b"over the limit of 16384 bytes" in answer
+                assert closed_by_server(s, within=WAIT)
+    assert httpx.get(server.base_url + "/health").status_code == 200
+
+
 def test_a_body_that_stops_arriving_is_a_408(start_server: Any) -> None:
     quick = start_server(client_timeout=0.5)
     with socket.create_connection(("127.0.0.1", quick.port)) as s:

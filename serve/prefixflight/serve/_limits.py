@@ -7,10 +7,11 @@
   ``Content-Length`` says so, else when the bytes read pass the limit), and a body that
   stops arriving gets 408 after the client timeout. Starlette's own
   ``RequestBodyLimitMiddleware`` answers 413 in plain text; this server's errors are JSON.
-- `HeaderDeadline`: uvicorn's httptools protocol with a deadline for a request's headers: a
-  connection that sends no complete request within the client timeout is closed (uvicorn
-  times out idle keep-alive connections only after a first response; a client that connects
-  and sends nothing, or headers a byte at a time, held its connection forever).
+- `HeaderDeadline`: uvicorn's httptools protocol with a deadline for a request's headers (and
+  a 16 KiB limit on them): a connection that sends no complete request within the client
+  timeout is closed (uvicorn times out idle keep-alive connections only after a first
+  response; a client that connects and sends nothing, or headers a byte at a time, held its
+  connection forever).
 - `GracefulServer`: uvicorn's server, whose shutdown first stops accepting, then lets the
   requests in progress finish for up to the shutdown timeout, then fails the rest (their
   streams end with an error event and ``[DONE]``) before uvicorn closes the connections.
@@ -148,8 +149,14 @@ class HeaderDeadline(HttpToolsProtocol):
     previous response."""
 
     header_timeout: ClassVar[float] = 30.0
+    max_head_bytes: ClassVar[int] = 16 * 1024
+    """The most bytes of a request line and headers (h11's limit, which uvicorn's h11
+    protocol enforced; httptools has none): a longer head is a 400 and the connection
+    closes, so an incomplete head holds at most this plus one read."""
 
     _header_timer: asyncio.TimerHandle | None = None
+    _head_bytes = 0  # read since the head began (an upper bound: a read may hold a body too)
+    _parsed = 0  # of the request line and headers, as parsed
 
     @classmethod
     def with_timeout(cls, seconds: float) -> type[HeaderDeadline]:
@@ -163,13 +170,48 @@ class HeaderDeadline(HttpToolsProtocol):
         self._disarm()
         super().connection_lost(exc)
 
+    def data_received(self, data: bytes) -> None:
+        if self._awaiting_headers():
+            self._head_bytes += len(data)
+        super().data_received(data)
+        if self._awaiting_headers() and self._head_bytes > self.max_head_bytes:
+            self._refuse_head()  # an incomplete head over the limit: stop buffering it
+
+    def on_message_begin(self) -> None:
+        self._parsed = 0
+        super().on_message_begin()
+
+    def on_url(self, url: bytes) -> None:
+        self._count(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count(len(name) + len(value))
+        super().on_header(name, value)
+
     def on_headers_complete(self) -> None:
         self._disarm()
+        self._head_bytes = 0
         super().on_headers_complete()
+
+    def send_400_response(self, msg: str) -> None:
+        if not self.transport.is_closing():  # one answer per connection
+            super().send_400_response(msg)
+
+    def _count(self, n: int) -> None:
+        """A complete head that arrived in one read is counted as it is parsed."""
+        self._parsed += n
+        if self._parsed > self.max_head_bytes:
+            self._refuse_head()
+            raise ValueError("request headers over the limit")  # stops the parser
+
+    def _refuse_head(self) -> None:
+        self.send_400_response(f"Request headers over the limit of {self.max_head_bytes} bytes.")
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
         if not self.transport.is_closing() and self._awaiting_headers():
+            self._head_bytes = 0
             self._arm()  # the next request's headers
 
     def _awaiting_headers(self) -> bool:
