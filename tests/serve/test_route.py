@@ -305,37 +305,70 @@ def test_a_dead_backend_is_skipped_and_all_dead_is_503(
     assert httpx.get(only_dead.base_url + "/health").status_code == 503
 
 
-class RawBackend:
-    """A real loopback HTTP server that misbehaves on purpose: it answers every request with
-    ``reply`` (raw bytes, possibly a cut stream), then closes, or with ``reply=None`` never
-    answers. It listens on its own thread."""
+class LoopbackServer:
+    """A real loopback TCP server: each accepted connection is handled on a thread of its
+    own by `handle` (subclasses say how to misbehave); `stop` closes the listening socket
+    and the connections still held."""
 
-    def __init__(self, reply: bytes | None) -> None:
+    def __init__(self) -> None:
         import threading
 
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.reply = reply
         self.held: list[socket.socket] = []
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
+        threading.Thread(target=self._accept, daemon=True).start()
 
-    def _serve(self) -> None:
+    def _accept(self) -> None:
+        import threading
+
         while True:
             try:
                 conn, _ = self.sock.accept()
             except OSError:  # closed by stop()
                 return
-            conn.recv(65536)  # the request (headers and the small body)
-            if self.reply is None:
-                self.held.append(conn)  # silent: the router's timeout decides
-                continue
-            conn.sendall(self.reply)
-            conn.close()
+            self.held.append(conn)
+            threading.Thread(target=self.handle, args=(conn,), daemon=True).start()
+
+    def handle(self, conn: socket.socket) -> None:
+        raise NotImplementedError
 
     def stop(self) -> None:
         self.sock.close()
         for conn in self.held:
+            conn.close()
+
+
+def read_request(conn: socket.socket) -> bool:
+    """Read one HTTP request (its head and a ``Content-Length`` body); False at EOF."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = conn.recv(65536)
+        if not chunk:
+            return False
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    while len(body) < length:
+        body += conn.recv(65536)
+    return True
+
+
+class RawBackend(LoopbackServer):
+    """Answers every request with ``reply`` (raw bytes, possibly a cut stream), then closes;
+    with ``reply=None`` never answers (the router's timeout decides)."""
+
+    def __init__(self, reply: bytes | None) -> None:
+        self.reply = reply
+        super().__init__()
+
+    def handle(self, conn: socket.socket) -> None:
+        read_request(conn)
+        if self.reply is not None:
+            conn.sendall(self.reply)
             conn.close()
 
 
@@ -378,63 +411,23 @@ def test_a_backend_that_never_answers_is_a_504_after_the_timeout(
         backend.stop()
 
 
-class DroppingBackend:
-    """A real loopback HTTP server that answers the first request of each connection and
-    keeps the connection open, then closes it when a second request arrives on it, without
-    answering: a keep-alive connection the server dropped just as it was reused."""
+class DroppingBackend(LoopbackServer):
+    """Answers the first request of each connection and keeps the connection open, then
+    closes it when a second request arrives on it, without answering: a keep-alive
+    connection the server dropped just as it was reused."""
 
     ANSWER = b'{"ok": true}'
 
-    def __init__(self) -> None:
-        import threading
-
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.connections = 0
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    @staticmethod
-    def _read_request(conn: socket.socket) -> bool:
-        data = b""
-        while b"\r\n\r\n" not in data:
-            chunk = conn.recv(65536)
-            if not chunk:
-                return False
-            data += chunk
-        head, _, body = data.partition(b"\r\n\r\n")
-        length = 0
-        for line in head.split(b"\r\n")[1:]:
-            name, _, value = line.partition(b":")
-            if name.strip().lower() == b"content-length":
-                length = int(value)
-        while len(body) < length:
-            body += conn.recv(65536)
-        return True
-
-    def _serve(self) -> None:
-        import threading
-
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:  # closed by stop()
-                return
-            self.connections += 1
-            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
-
-    def _one(self, conn: socket.socket) -> None:
+    def handle(self, conn: socket.socket) -> None:
         with conn:
-            if not self._read_request(conn):
+            if not read_request(conn):
                 return
             conn.sendall(
                 b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
                 + b"content-length: %d\r\n\r\n" % len(self.ANSWER)
                 + self.ANSWER
             )
-            self._read_request(conn)  # the next request on this connection: dropped
-
-    def stop(self) -> None:
-        self.sock.close()
+            read_request(conn)  # the next request on this connection: dropped
 
 
 def test_a_keep_alive_connection_the_backend_dropped_is_retried_on_a_new_one(
