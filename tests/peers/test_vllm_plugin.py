@@ -55,3 +55,23 @@ def test_copies_are_reused_before_any_eviction(report: dict[str, Any]) -> None:
 def test_s3fifo_orders_evictions_its_own_way(report: dict[str, Any]) -> None:
     row = report["s3fifo/unaligned"]
     assert row["differs"] and row["hit_tokens"] != row["stock_hit_tokens"]
+
+
+def test_checked_mode_flags_the_block_vllm_caches_without_computing_it(peers_python: Path) -> None:
+    """vLLM's priority-preemption finding (benchmarks/peers/repro), with the plugin's
+    scheduler in checked mode: the uncomputed block is logged as a violation."""
+    repro = HERE.parents[1] / "benchmarks" / "peers" / "repro"
+    run = subprocess.run(
+        [str(peers_python), "vllm_priority_preempt_uncomputed.py", "--plugin"],
+        cwd=repro,
+        env=peers_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 1, run.stdout + run.stderr[-2000:]  # reproduced
+    lines = [line for line in (run.stdout + run.stderr).splitlines() if "violation" in line]
+    assert lines == [
+        "prefixflight invariant violation: cached but never computed: block 3 "
+        "(a free cached block no step wrote)"
+    ]

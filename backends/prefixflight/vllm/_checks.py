@@ -53,7 +53,7 @@ class PoolChecker:
             blocks = to_blocks.get(rid)
             if request is None or not blocks:
                 continue
-            upto = min(-(-request.num_computed_tokens // bs), len(blocks))
+            upto = min(request.num_computed_tokens // bs, len(blocks))  # blocks written whole
             written.extend((b.block_id, b.block_hash) for b in blocks[:upto] if not b.is_null)
         self._steps[id(output)] = written
 

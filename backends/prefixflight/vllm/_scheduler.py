@@ -16,10 +16,13 @@ wherever vLLM would use it, the sync one otherwise), then, before its first allo
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import time
 from typing import Any
+
+import attrs
 
 from prefixflight.core import ConfigError
 from prefixflight.core.flight import (
@@ -219,6 +222,27 @@ class _Plugin:
             self._checker.check()
         if self._flights is not None:
             self._flight_step()
+        return out
+
+
+    def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> Any:
+        log.info("prefixflight: stats %s", json.dumps(self.prefixflight_stats()))
+        return super().reset_prefix_cache(*args, **kwargs)  # type: ignore[misc]
+
+    def shutdown(self) -> None:
+        log.info("prefixflight: stats %s", json.dumps(self.prefixflight_stats()))
+        super().shutdown()  # type: ignore[misc]
+
+    def prefixflight_stats(self) -> dict[str, int]:
+        """The queue's counters, the checker's violations and the coordinator's waits."""
+        out = attrs.asdict(self.prefixflight_queue.stats)
+        if self._checker is not None:
+            out["checked_steps"] = self._checker.steps
+            out["violations"] = self._checker.violations
+        if self._flights is not None:
+            s = self._flights.stats
+            out["followers"] = s.followers + s.partial_followers
+            out["tokens_not_recomputed"] = s.tokens_not_recomputed
         return out
 
 
