@@ -36,7 +36,15 @@ from ._declare import (
 )
 from ._engine_ref import ReferencePrefixEngine
 from ._isolate import isolated
-from ._reference import ReferenceLRU, ReferenceReplay, ReferenceS3FIFO, reference_replay
+from ._reference import (
+    ReferenceFIFO,
+    ReferenceLFU,
+    ReferenceLRU,
+    ReferenceReplay,
+    ReferenceS3FIFO,
+    ReferenceSIEVE,
+    reference_replay,
+)
 from ._sched_adapter import (
     Delivery,
     ScheduledRow,
@@ -50,7 +58,14 @@ if TYPE_CHECKING:
     from ._curves import LRUCurveConformance, ReferenceLRUCurve
     from ._engine_machine import PrefixEngineConformance
     from ._flight import CoordinatorUnderTest, FlightCoordinatorMachine, FlightModel
-    from ._machines import LRUConformance, PolicyConformance, S3FIFOConformance
+    from ._machines import (
+        FIFOConformance,
+        LFUConformance,
+        LRUConformance,
+        PolicyConformance,
+        S3FIFOConformance,
+        SIEVEConformance,
+    )
     from ._router import (
         BurstRouterConformance,
         ReferenceWindow,
@@ -63,7 +78,14 @@ if TYPE_CHECKING:
     )
     from ._sched_machine import SchedulerConformance, sampled_token
     from ._scheduler import SchedulerFactory, SchedulerMachine
-    from ._strategies import policy_configs, s3fifo_configs, small_ratios, trace_records, traces
+    from ._strategies import (
+        capacity_configs,
+        policy_configs,
+        s3fifo_configs,
+        small_ratios,
+        trace_records,
+        traces,
+    )
 
 # name -> module of the names whose modules import Hypothesis (loaded on first use)
 _LAZY = {
@@ -74,7 +96,10 @@ _LAZY = {
     "CoordinatorUnderTest": "_flight",
     "FlightCoordinatorMachine": "_flight",
     "FlightModel": "_flight",
+    "FIFOConformance": "_machines",
+    "LFUConformance": "_machines",
     "LRUConformance": "_machines",
+    "SIEVEConformance": "_machines",
     "PolicyConformance": "_machines",
     "S3FIFOConformance": "_machines",
     "BurstRouterConformance": "_router",
@@ -89,6 +114,7 @@ _LAZY = {
     "sampled_token": "_sched_machine",
     "SchedulerFactory": "_scheduler",
     "SchedulerMachine": "_scheduler",
+    "capacity_configs": "_strategies",
     "policy_configs": "_strategies",
     "s3fifo_configs": "_strategies",
     "small_ratios": "_strategies",
@@ -118,23 +144,29 @@ __all__ = [
     "EngineAdapter",
     "EngineCrashed",
     "EngineSemantics",
+    "FIFOConformance",
     "FakeBackend",
     "FlightCoordinatorMachine",
     "FlightModel",
     "KVChange",
+    "LFUConformance",
     "LRUConformance",
     "LRUCurveConformance",
     "PolicyConformance",
     "PolicySemantics",
     "PoolView",
     "PrefixEngineConformance",
+    "ReferenceFIFO",
+    "ReferenceLFU",
     "ReferenceLRU",
     "ReferenceLRUCurve",
     "ReferencePrefixEngine",
     "ReferenceReplay",
     "ReferenceS3FIFO",
+    "ReferenceSIEVE",
     "ReferenceWindow",
     "S3FIFOConformance",
+    "SIEVEConformance",
     "ScheduledRow",
     "SchedulerAdapter",
     "SchedulerConformance",
@@ -146,6 +178,7 @@ __all__ = [
     "Unsupported",
     "WindowedRouter",
     "burst_configs",
+    "capacity_configs",
     "chained_blocks",
     "declared_differences",
     "isolated",

@@ -9,6 +9,8 @@ from typing import Any, Literal, Protocol, TypeAlias, runtime_checkable
 
 import attrs
 
+from prefixflight.core import UsageError
+
 from ._engine_ref import Key
 
 __all__ = [
@@ -16,8 +18,11 @@ __all__ = [
     "KVChange",
     "PoolView",
     "chunk_tokens",
+    "class_of",
+    "configs_of",
     "label",
     "name_of",
+    "require_calls",
     "semantics_of",
 ]
 
@@ -99,6 +104,58 @@ def semantics_of(factory: Callable[..., Any]) -> Any:
             return found
         current = getattr(current, "func", None)  # functools.partial
     return None
+
+
+def configs_of(factory: Callable[..., Any]) -> Any:
+    """``factory.configs`` (a Hypothesis strategy of the keyword dicts to draw), looking
+    through `functools.partial`; ``None`` if absent. A method is called for it, so a class
+    can build its strategy lazily (``configs = staticmethod(my_configs)``)."""
+    current: Any = factory
+    while current is not None:
+        found = getattr(current, "configs", None)
+        if found is not None:
+            return found() if callable(found) and not hasattr(found, "example") else found
+        current = getattr(current, "func", None)
+    return None
+
+
+def class_of(factory: Any) -> type[Any] | None:
+    """The class ``factory`` makes objects of, when it is one (or a `functools.partial` of
+    one); ``None`` for other callables."""
+    while not isinstance(factory, type) and callable(getattr(factory, "func", None)):
+        factory = factory.func  # functools.partial
+    return factory if isinstance(factory, type) else None
+
+
+def require_calls(
+    subject: Any,
+    calls: Mapping[str, Sequence[str]],
+    declared: frozenset[str],
+    hint: Callable[[set[str]], str],
+) -> None:
+    """Refuse an implementation without the calls its declaration promises, before it is
+    driven: `UsageError` naming the missing calls and ``hint(the operations it has)``, the
+    declaration to write instead.
+
+    ``subject`` is an implementation's class (checked before the run, unless it forwards
+    attributes through ``__getattr__``) or an object a factory made; ``calls`` maps each
+    optional operation to the calls it needs (``""``: the calls every implementation needs).
+    """
+    name = subject.__name__ if isinstance(subject, type) else type(subject).__name__
+    if isinstance(subject, type) and hasattr(subject, "__getattr__"):
+        return  # it forwards calls: only an object it makes can tell
+    required = [c for c in calls.get("", ()) if not hasattr(subject, c)]
+    if required:
+        raise UsageError(f"{name} has no {', '.join(required)}: the machine needs every one")
+    lacking = {op: [c for c in calls[op] if not hasattr(subject, c)] for op in sorted(declared)}
+    lacking = {op: missing for op, missing in lacking.items() if missing}
+    if lacking:
+        names = ", ".join(f"{c}()" for missing in lacking.values() for c in missing)
+        raise UsageError(
+            f"{name} has no {names}, but its declaration says it supports "
+            f"{', '.join(map(repr, lacking))}; declare what it has: "
+            f"{hint(set(declared) - set(lacking))}"
+        )
 
 
 def name_of(factory: Callable[..., Any]) -> str:

@@ -32,13 +32,14 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
-from hypothesis import assume, note
+from hypothesis import note
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from ._adapter import ALPHABET, EngineAdapter, PoolView, chunk_tokens, label, name_of, semantics_of
-from ._declare import EngineSemantics, Unsupported
+from ._declare import EngineSemantics
 from ._engine_ref import Key, ReferencePrefixEngine
+from ._strategies import draw_supported
 from .adapters._prefixflight import PagePoolAdapter
 
 __all__ = ["PrefixEngineConformance"]
@@ -91,12 +92,9 @@ class PrefixEngineConformance(RuleBasedStateMachine):
     # -- set-up --------------------------------------------------------------------------
     @initialize(data=st.data())
     def start(self, data: st.DataObject) -> None:
-        pages = data.draw(type(self).page_counts, label="pages")
-        try:
-            engine = type(self).factory(pages)
-        except Unsupported as exc:
-            note(f"unsupported: {exc}")
-            assume(False)
+        pages, engine = draw_supported(
+            data, type(self).page_counts, type(self).factory, label="pages"
+        )
         self.engine = engine
         bs = engine.block_size
         self.ref = ReferencePrefixEngine(type(self).semantics, pages, bs)
