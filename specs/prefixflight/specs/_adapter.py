@@ -146,7 +146,8 @@ def require_calls(
         return  # it forwards calls: only an object it makes can tell
     required = [c for c in calls.get("", ()) if not hasattr(subject, c)]
     if required:
-        raise UsageError(f"{name} has no {', '.join(required)}: the machine needs every one")
+        needed = ", ".join(calls[""])
+        raise UsageError(f"{name} has no {', '.join(required)} (every one needs {needed})")
     lacking = {op: [c for c in calls[op] if not hasattr(subject, c)] for op in sorted(declared)}
     lacking = {op: missing for op, missing in lacking.items() if missing}
     if lacking:

@@ -36,13 +36,48 @@ from hypothesis import note
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from ._adapter import ALPHABET, EngineAdapter, PoolView, chunk_tokens, label, name_of, semantics_of
+from prefixflight.core import UsageError
+
+from ._adapter import (
+    ALPHABET,
+    EngineAdapter,
+    PoolView,
+    chunk_tokens,
+    class_of,
+    configs_of,
+    label,
+    name_of,
+    require_calls,
+    semantics_of,
+)
 from ._declare import EngineSemantics
 from ._engine_ref import Key, ReferencePrefixEngine
 from ._strategies import draw_supported
 from .adapters._prefixflight import PagePoolAdapter
 
 __all__ = ["PrefixEngineConformance"]
+
+ENGINE_CALLS: dict[str, tuple[str, ...]] = {
+    "": ("block_size", "admit", "finish", "pool"),
+    "evict": ("evict",),
+    "invalidate": ("invalidate",),
+    "reset": ("reset",),
+    "events": ("events",),
+}
+"""The calls an engine adapter must have: always (``""``), and per declared operation
+(``events``: when it declares ``evictions="reported"``)."""
+
+
+def _promised(semantics: EngineSemantics) -> frozenset[str]:
+    reported = {"events"} if semantics.evictions == "reported" else set()
+    return semantics.ops | reported
+
+
+def _engine_hint(has: set[str]) -> str:
+    ops = sorted(has - {"events"})
+    declared = "{" + ", ".join(map(repr, ops)) + "}" if ops else "set()"
+    reported = "" if "events" in has else ', evictions="observed"'
+    return f"semantics = EngineSemantics(ops={declared}{reported}, ...)"
 
 _ALPHABET = ALPHABET
 _MAX_RUNNING = 4
@@ -75,8 +110,12 @@ class PrefixEngineConformance(RuleBasedStateMachine):
         """
         declared = semantics or semantics_of(factory) or EngineSemantics()
         if not isinstance(declared, EngineSemantics):
-            raise TypeError(f"semantics must be an EngineSemantics, got {declared!r}")
+            raise UsageError(f"semantics must be an EngineSemantics, got {declared!r}")
+        made = class_of(factory)
+        if made is not None:
+            require_calls(made, ENGINE_CALLS, _promised(declared), _engine_hint)
         body: dict[str, Any] = {"factory": staticmethod(factory), "semantics": declared}
+        pages = pages if pages is not None else configs_of(factory)
         if pages is not None:
             body["page_counts"] = pages
         return type(f"{cls.__name__}_{name_of(factory)}", (cls,), body)
@@ -96,6 +135,7 @@ class PrefixEngineConformance(RuleBasedStateMachine):
             data, type(self).page_counts, type(self).factory, label="pages"
         )
         self.engine = engine
+        require_calls(engine, ENGINE_CALLS, _promised(type(self).semantics), _engine_hint)
         bs = engine.block_size
         self.ref = ReferencePrefixEngine(type(self).semantics, pages, bs)
         self.step = f"start(pages={pages}, block_size={bs})"

@@ -49,7 +49,9 @@ from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from ._adapter import ALPHABET, chunk_tokens, label, name_of, semantics_of
+from prefixflight.core import UsageError
+
+from ._adapter import ALPHABET, chunk_tokens, configs_of, label, name_of, semantics_of
 from ._declare import SchedulerSemantics
 from ._sched_adapter import Delivery, ScheduledRow, SchedulerLimits, SchedulerPages
 from ._strategies import draw_supported
@@ -129,8 +131,9 @@ class SchedulerConformance(RuleBasedStateMachine):
         """
         declared = semantics or semantics_of(factory) or SchedulerSemantics()
         if not isinstance(declared, SchedulerSemantics):
-            raise TypeError(f"semantics must be a SchedulerSemantics, got {declared!r}")
+            raise UsageError(f"semantics must be a SchedulerSemantics, got {declared!r}")
         body: dict[str, Any] = {"factory": staticmethod(factory), "semantics": declared}
+        block_sizes = block_sizes if block_sizes is not None else configs_of(factory)
         if block_sizes is not None:
             body["block_sizes"] = block_sizes
         return type(f"{cls.__name__}_{name_of(factory)}", (cls,), body)
