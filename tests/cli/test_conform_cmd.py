@@ -214,6 +214,8 @@ def test_a_users_adapter_of_40_lines_runs_from_the_command_line(tmp_path: Path) 
     (the bug the kit found in an S3-FIFO package), exits 1 with its shrunk example."""
     source = EXAMPLE.read_text(encoding="utf-8")
     assert len(source.splitlines()) <= 40
+    page = (EXAMPLE.parents[1] / "conformance.md").read_text(encoding="utf-8")
+    assert f"```python\n{source}```" in page  # the docs show the file as it is
     (tmp_path / "my_s3fifo.py").write_text(source)
     run = _conform(tmp_path, "--adapter", "my_s3fifo:MyS3FIFO", "--seed", "0", "--json", "r.json")
     assert run.returncode == 0, run.stdout + run.stderr

@@ -24,7 +24,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ._adapter import EngineAdapter, KVChange, PoolView
+from ._adapter import EngineAdapter, KVChange, PolicyAdapter, PoolView
 from ._backend import FakeBackend
 from ._declare import (
     EngineCrashed,
@@ -55,6 +55,7 @@ from ._sched_adapter import (
 
 if TYPE_CHECKING:
     from ._cache_machine import CacheConformance
+    from ._conform import machine_for
     from ._curves import LRUCurveConformance, ReferenceLRUCurve
     from ._engine_machine import PrefixEngineConformance
     from ._flight import CoordinatorUnderTest, FlightCoordinatorMachine, FlightModel
@@ -91,6 +92,7 @@ if TYPE_CHECKING:
 _LAZY = {
     "CacheConformance": "_cache_machine",
     "LRUCurveConformance": "_curves",
+    "machine_for": "_conform",
     "ReferenceLRUCurve": "_curves",
     "PrefixEngineConformance": "_engine_machine",
     "CoordinatorUnderTest": "_flight",
@@ -152,6 +154,7 @@ __all__ = [
     "LFUConformance",
     "LRUConformance",
     "LRUCurveConformance",
+    "PolicyAdapter",
     "PolicyConformance",
     "PolicySemantics",
     "PoolView",
@@ -182,6 +185,7 @@ __all__ = [
     "chained_blocks",
     "declared_differences",
     "isolated",
+    "machine_for",
     "policy_configs",
     "reference_assign",
     "reference_replay",

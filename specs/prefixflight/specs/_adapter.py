@@ -16,6 +16,7 @@ from ._engine_ref import Key
 __all__ = [
     "EngineAdapter",
     "KVChange",
+    "PolicyAdapter",
     "PoolView",
     "chunk_tokens",
     "class_of",
@@ -92,6 +93,46 @@ class EngineAdapter(Protocol):
 
     def pool(self) -> PoolView:
         """Where every page is now."""
+        ...
+
+
+@runtime_checkable
+class PolicyAdapter(Protocol):
+    """An eviction policy, as the policy machines (`S3FIFOConformance`, `LRUConformance`,
+    `FIFOConformance`, `LFUConformance`, `SIEVEConformance`) drive it.
+
+    A factory (a class, a function, a `functools.partial`) makes one per example from a
+    config's keywords (S3-FIFO: ``capacity``, ``small_ratio``, ``max_freq``,
+    ``ghost_admit_freq``; the others: ``capacity``) and may raise `Unsupported` for a config
+    it does not take (another is drawn). Its ``semantics`` attribute (a `PolicySemantics`)
+    declares the machine (``policy``), the optional calls it has (``ops``) and how it
+    differs; its ``configs`` attribute, if any, is the Hypothesis strategy of configs to
+    draw instead of the machine's.
+
+    Required: ``access`` and ``resident``. Called when present: ``__len__`` (must equal the
+    number of resident blocks the reference has), the views the machine's reference has
+    (S3-FIFO: ``small_queue()``, ``main_queue()`` as ``((block, freq), ...)`` oldest first,
+    ``ghost_queue()`` as ``(block, ...)``; LRU and FIFO: ``order()``, oldest first),
+    ``check_invariants()`` (raise `AssertionError` for a broken invariant) and ``close()``.
+    Optional, called only when declared in ``ops``: ``pin(block)``/``unpin(block)``/
+    ``pin_count(block)`` (nestable pins: a pinned block is never evicted), ``remove(block)``
+    and ``evict()`` (evict one block; ``None`` when none can be).
+
+    Misuse must raise `prefixflight.core.UsageError` and change nothing: pinning or removing
+    a block that is not resident, unpinning one that is not pinned, removing a pinned one.
+    When every resident block is pinned and a new block must come in, ``access`` raises
+    `prefixflight.core.CapacityError` with ``applied`` the number of blocks of the call it
+    had taken in.
+    """
+
+    def access(self, blocks: Sequence[Any]) -> list[Any] | None:
+        """Use ``blocks`` in order (a hit refreshes a block, a miss admits it, evicting as
+        needed); return the evicted blocks in order (``evictions="reported"``), or anything
+        (``"observed"``: the machine compares the resident set before and after)."""
+        ...
+
+    def resident(self) -> frozenset[Any]:
+        """The blocks cached now (an S3-FIFO's ghost entries are not resident)."""
         ...
 
 
