@@ -1,14 +1,16 @@
 """prefixflight's executable specification: reference models, strategies, state machines.
 
 The machines and strategies need the ``specs`` extra (Hypothesis). Point the machines at
-your own implementation::
+your own implementation: ``machine_for(MyAdapter)`` is the machine its declaration names
+(``prefixflight conform --adapter module:MyAdapter`` runs it from the command line)::
 
-    run_state_machine_as_test(S3FIFOConformance.for_factory(MyS3FIFO))
+    run_state_machine_as_test(machine_for(MyS3FIFO))  # semantics = PolicySemantics(policy="s3fifo")
     run_state_machine_as_test(PrefixEngineConformance.for_adapter(MyEngineAdapter))
     run_state_machine_as_test(SchedulerConformance.for_adapter(MySchedulerAdapter))
 
 An implementation declares how it differs from prefixflight's semantics (`EngineSemantics`,
-`PolicySemantics`, `SchedulerSemantics`) and the machines follow the declaration;
+`PolicySemantics`, `SchedulerSemantics`) and the machines follow the declaration (a policy
+follows `PolicyAdapter`, an engine's adapter `EngineAdapter`);
 `prefixflight.specs.adapters` has the declared adapters of vLLM (its cache and its
 scheduler), SGLang and libCacheSim (``prefixflight conform`` runs them). `isolated` runs an
 implementation in a worker process, so a crash is a finding.
