@@ -24,6 +24,7 @@ from prefixflight.core import PrefixflightError, UsageError
 __all__ = [
     "EngineCrashed",
     "EngineSemantics",
+    "IndexSemantics",
     "POLICY_MACHINES",
     "PolicySemantics",
     "SchedulerSemantics",
@@ -283,6 +284,29 @@ class PolicySemantics:
             raise UsageError("min_small_blocks > 1 is modelled for small_queue='when-full'")
 
 
+@attrs.frozen(kw_only=True)
+class IndexSemantics:
+    """A KV-event consumer (a router's index of what an engine caches), as its adapter
+    declares it (defaults: the most an engine may send).
+
+    ``order``: ``"any"`` -- the events of one engine step may arrive in any order (vLLM frees
+    a chain tail first); ``"parents-first"`` -- a block's ``stored`` event comes after its
+    parent's (the machine sends them in chain order).
+
+    ``copies``: ``"counted"`` -- the engine may cache a block twice (vLLM's duplicates: a
+    ``stored`` event per copy, a ``removed`` per copy), so a block is cached until its last
+    copy is removed; ``"single"`` -- the index assumes one copy per block (the machine's
+    engine never caches a block twice).
+    """
+
+    order: Literal["any", "parents-first"] = attrs.field(
+        default="any", validator=_one_of("any", "parents-first")
+    )
+    copies: Literal["counted", "single"] = attrs.field(
+        default="counted", validator=_one_of("counted", "single")
+    )
+
+
 _POLICIES = ("fcfs", "priority")
 
 
@@ -357,6 +381,9 @@ _MEANING: Mapping[tuple[str, str], str] = {
     ("on_promote", "reset"): "a block promoted from small to main starts at frequency 0",
     ("on_promote", "decrement"): "a block promoted from small to main loses one frequency",
     ("small_queue", "when-full"): "evicts only when the whole cache is full (S3FIFO.c's flow)",
+    ("order", "parents-first"): "a block's stored event must come after its parent's",
+    ("copies", "single"): "copies are not counted: the first removed event of a block cached "
+    "twice removes it",
     ("same_step_reads", "any"): "every row's KV is written before any row attends: a row may "
     "read pages any other row of its step writes",
     ("same_step_reads", "none"): "a page written in a step is read by no other row of it",
@@ -368,7 +395,7 @@ _MEANING: Mapping[tuple[str, str], str] = {
 
 
 def declared_differences(
-    semantics: EngineSemantics | PolicySemantics | SchedulerSemantics,
+    semantics: EngineSemantics | PolicySemantics | SchedulerSemantics | IndexSemantics,
 ) -> list[dict[str, Any]]:
     """How the declaration departs from prefixflight's semantics, as ``{"name", "value",
     "default", "meaning"}`` dicts (for reports and ``prefixflight conform --json``).
