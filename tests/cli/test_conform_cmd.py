@@ -87,8 +87,10 @@ def test_prefixflight_passes_and_the_json_says_what_ran(
     assert "declared differences:\n    hit_cap=n-1 (default full)" in text
     doc = json.loads(out.read_text())
     assert doc["engine"] == "prefixflight" and doc["passed"] is True
-    engine, s3fifo, _, sched = doc["checks"]
-    assert [c["name"] for c in doc["checks"]] == ["engine", "s3fifo", "lru", "scheduler"]
+    engine, s3fifo, _, sched, index = doc["checks"]
+    assert [c["name"] for c in doc["checks"]] == ["engine", "s3fifo", "lru", "scheduler", "index"]
+    assert index["machine"] == "KVIndexConformance" and index["adapter"] == "ReplicaIndexAdapter"
+    assert [d["name"] for d in index["declared"]] == ["order", "copies"]
     assert engine["rules"] == ["admit", "finish"]
     assert sched["machine"] == "SchedulerConformance" and sched["declared"] == []
     assert sched["adapter"] == "PrefixflightSchedulerAdapter"
@@ -196,7 +198,7 @@ def test_the_cli_reads_the_one_registry(capsys: pytest.CaptureFixture[str]) -> N
     """--check's choices and the engines --help lists are the registry's."""
     from prefixflight.specs._registry import CHECKS, ENGINES
 
-    assert CHECKS == ("engine", "s3fifo", "lru", "fifo", "lfu", "sieve", "scheduler")
+    assert CHECKS == ("engine", "s3fifo", "lru", "fifo", "lfu", "sieve", "scheduler", "index")
     with pytest.raises(SystemExit):
         main(["conform", "--help"])
     out = " ".join(capsys.readouterr().out.split())

@@ -26,11 +26,12 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ._adapter import EngineAdapter, KVChange, PolicyAdapter, PoolView
+from ._adapter import EngineAdapter, IndexAdapter, KVChange, PolicyAdapter, PoolView
 from ._backend import FakeBackend
 from ._declare import (
     EngineCrashed,
     EngineSemantics,
+    IndexSemantics,
     PolicySemantics,
     SchedulerSemantics,
     Unsupported,
@@ -61,6 +62,7 @@ if TYPE_CHECKING:
     from ._curves import LRUCurveConformance, ReferenceLRUCurve
     from ._engine_machine import PrefixEngineConformance
     from ._flight import CoordinatorUnderTest, FlightCoordinatorMachine, FlightModel
+    from ._index_machine import KVIndexConformance
     from ._machines import (
         FIFOConformance,
         LFUConformance,
@@ -100,6 +102,7 @@ _LAZY = {
     "CoordinatorUnderTest": "_flight",
     "FlightCoordinatorMachine": "_flight",
     "FlightModel": "_flight",
+    "KVIndexConformance": "_index_machine",
     "FIFOConformance": "_machines",
     "LFUConformance": "_machines",
     "LRUConformance": "_machines",
@@ -152,7 +155,10 @@ __all__ = [
     "FakeBackend",
     "FlightCoordinatorMachine",
     "FlightModel",
+    "IndexAdapter",
+    "IndexSemantics",
     "KVChange",
+    "KVIndexConformance",
     "LFUConformance",
     "LRUConformance",
     "LRUCurveConformance",

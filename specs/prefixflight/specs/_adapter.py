@@ -15,6 +15,7 @@ from ._engine_ref import Key
 
 __all__ = [
     "EngineAdapter",
+    "IndexAdapter",
     "KVChange",
     "PolicyAdapter",
     "PoolView",
@@ -133,6 +134,25 @@ class PolicyAdapter(Protocol):
 
     def resident(self) -> frozenset[Any]:
         """The blocks cached now (an S3-FIFO's ghost entries are not resident)."""
+        ...
+
+
+@runtime_checkable
+class IndexAdapter(Protocol):
+    """A KV-event consumer (a router's index of an engine's cache), as `KVIndexConformance`
+    drives it: a zero-argument factory makes one per example; its ``semantics`` attribute
+    (an `IndexSemantics`) declares the event streams it handles. ``check_invariants()`` and
+    ``close()`` are called when present."""
+
+    block_size: int
+
+    def apply(self, kind: Literal["stored", "removed", "cleared"], key: Key | None) -> None:
+        """One KV event: a copy of block ``key`` (the tokens from the prompt's start to the
+        block's end) was stored or removed, or everything was cleared (``key`` ``None``)."""
+        ...
+
+    def hits(self, tokens: Sequence[int]) -> int:
+        """How many leading full blocks of ``tokens`` the index says the engine caches."""
         ...
 
 

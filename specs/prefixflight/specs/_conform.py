@@ -29,8 +29,15 @@ from hypothesis.stateful import run_state_machine_as_test
 from prefixflight.core import UsageError
 
 from ._adapter import name_of, semantics_of
-from ._declare import EngineSemantics, PolicySemantics, SchedulerSemantics, declared_differences
+from ._declare import (
+    EngineSemantics,
+    IndexSemantics,
+    PolicySemantics,
+    SchedulerSemantics,
+    declared_differences,
+)
 from ._engine_machine import PrefixEngineConformance
+from ._index_machine import KVIndexConformance
 from ._isolate import isolated
 from ._machines import PolicyConformance
 from ._registry import MACHINES, Check, check_for, engines, load_object
@@ -51,10 +58,10 @@ def machine_for(
     """The machine class that checks ``factory``'s implementations: the one its declaration
     names (``semantics``, else ``factory.semantics``), or ``check`` (a name of
     `prefixflight.specs._registry.MACHINES`: ``"engine"``, ``"s3fifo"``, ``"lru"``,
-    ``"fifo"``, ``"lfu"``, ``"sieve"``, ``"scheduler"``).
+    ``"fifo"``, ``"lfu"``, ``"sieve"``, ``"scheduler"``, ``"index"``).
 
     ``configs`` narrows what the factory is called with (config dicts for a policy, pool
-    sizes for an engine, block sizes for a scheduler; default: ``factory.configs`` if it
+    sizes for an engine or an index, block sizes for a scheduler; default: ``factory.configs`` if it
     has one). Run it with ``run_state_machine_as_test(machine)`` or use ``machine.TestCase``.
     Raises `UsageError` when the declaration and ``check`` disagree or neither names one,
     or when the declaration promises calls the class lacks.
@@ -65,6 +72,8 @@ def machine_for(
     if issubclass(machine, PolicyConformance):
         return machine.for_factory(factory, semantics=semantics, configs=configs)
     if issubclass(machine, PrefixEngineConformance):
+        return machine.for_adapter(factory, semantics=semantics, pages=configs)
+    if issubclass(machine, KVIndexConformance):
         return machine.for_adapter(factory, semantics=semantics, pages=configs)
     assert issubclass(machine, SchedulerConformance)
     return machine.for_adapter(factory, semantics=semantics, block_sizes=configs)
@@ -131,6 +140,8 @@ def _rules(machine: type[Any]) -> tuple[str, ...]:
         return ("add", "add_identical", "schedule", "complete", "step", "abort", "drain")
     if isinstance(sem, EngineSemantics):
         return ("admit", "finish", *sorted(sem.ops))
+    if isinstance(sem, IndexSemantics):
+        return ("admit", "finish", "evict", "reset")
     assert isinstance(sem, PolicySemantics)
     ops = sem.ops
     names = ["access"]

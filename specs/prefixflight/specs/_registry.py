@@ -21,7 +21,7 @@ import attrs
 
 from prefixflight.core import UsageError
 
-from ._declare import EngineSemantics, PolicySemantics, SchedulerSemantics
+from ._declare import EngineSemantics, IndexSemantics, PolicySemantics, SchedulerSemantics
 
 __all__ = [
     "CHECKS",
@@ -65,6 +65,8 @@ MACHINES: dict[str, Machine] = {
         Machine("sieve", f"{_S}._machines:SIEVEConformance", PolicySemantics, "capacity="),
         Machine("scheduler", f"{_S}._sched_machine:SchedulerConformance", SchedulerSemantics,
                 "a SchedulerLimits"),
+        Machine("index", f"{_S}._index_machine:KVIndexConformance", IndexSemantics,
+                "nothing"),
     )
 }  # fmt: skip
 """Every check, by name (``prefixflight conform --check NAME``)."""
@@ -102,6 +104,8 @@ ENGINES: dict[str, tuple[Check, ...]] = {
         Check("lru", "prefixflight.core:LRU"),
         Check("scheduler", "prefixflight.core:Scheduler", f"{_A}:PrefixflightSchedulerAdapter",
               "scheduler_cls"),
+        Check("index", "prefixflight.serve.kv_events:ReplicaBlockIndex",
+              f"{_A}:ReplicaIndexAdapter", "index_cls"),
     ),
     "vllm": (
         Check("engine", "vllm.v1.core.kv_cache_manager:KVCacheManager", f"{_A}:VLLMAdapter"),
@@ -162,11 +166,13 @@ def check_for(semantics: Any, check: str | None, subject: str) -> str:
         if check is None:
             raise UsageError(
                 f"{subject} declares no semantics: give it a `semantics` attribute "
-                "(EngineSemantics, PolicySemantics(policy=...) or SchedulerSemantics), or "
+                "(EngineSemantics, PolicySemantics(policy=...), SchedulerSemantics or "
+                "IndexSemantics), or "
                 f"name its check ({', '.join(CHECKS)})"
             )
         return check
-    named = {EngineSemantics: "engine", SchedulerSemantics: "scheduler"}.get(type(semantics))
+    by_type = {EngineSemantics: "engine", SchedulerSemantics: "scheduler", IndexSemantics: "index"}
+    named = by_type.get(type(semantics))
     if isinstance(semantics, PolicySemantics):
         named = semantics.policy
         if named is None and check is None:
@@ -178,8 +184,8 @@ def check_for(semantics: Any, check: str | None, subject: str) -> str:
             )
     elif named is None:
         raise UsageError(
-            f"{subject}.semantics is {semantics!r}, not an EngineSemantics, PolicySemantics or "
-            "SchedulerSemantics"
+            f"{subject}.semantics is {semantics!r}, not an EngineSemantics, PolicySemantics, "
+            "SchedulerSemantics or IndexSemantics"
         )
     if check is not None and not isinstance(semantics, MACHINES[check].semantics):
         raise UsageError(
