@@ -258,3 +258,12 @@ def test_an_installed_package_registers_its_adapter(tmp_path: Path) -> None:
     assert run.stdout.startswith("myengine s3fifo: S3FIFOConformance over MyS3FIFO")
     run = _conform(tmp_path, "myengine", "--check", "lru")
     assert run.returncode == 2 and "myengine has no check 'lru'; its checks: s3fifo" in run.stderr
+
+
+def test_a_shrunk_example_is_printed_without_steps_that_do_nothing() -> None:
+    from prefixflight.specs._adapter import NO_OP
+    from prefixflight.specs._conform import _without_no_ops
+
+    lines = ["Draw 1 (pages): 2", NO_OP, "state.evict(now=1, pages=1)", "admit(r0, a) -> hit 0",
+             "state.admit(chunks=[], first=0, tail=0, tail_len=1, whole=1)"]  # fmt: skip
+    assert _without_no_ops(lines) == [lines[0], *lines[3:]]

@@ -14,6 +14,7 @@ from prefixflight.core import UsageError
 from ._engine_ref import Key
 
 __all__ = [
+    "NO_OP",
     "EngineAdapter",
     "IndexAdapter",
     "KVChange",
@@ -27,6 +28,10 @@ __all__ = [
     "require_calls",
     "semantics_of",
 ]
+
+NO_OP = "(this step does nothing)"
+"""What a machine notes for a step that does nothing (a rule that acts on one draw in three);
+reports drop it, with the step it marks, from a shrunk example."""
 
 ALPHABET = "abcd"
 """The chunks the machines build prompts from: chunk ``i`` is named ``ALPHABET[i]``."""

@@ -28,7 +28,7 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from prefixflight.core import UsageError
 
-from ._adapter import name_of, semantics_of
+from ._adapter import NO_OP, name_of, semantics_of
 from ._declare import (
     EngineSemantics,
     IndexSemantics,
@@ -187,8 +187,22 @@ def _run(machine: type[Any], examples: int, steps: int, seed_: int) -> tuple[str
                 f"outside its inputs (clock, hash or memory order): {message}"
             )
         notes = [n for n in getattr(first, "__notes__", ()) if not n.startswith(_NOISE)]
-        return message, [n for n in notes if not n.startswith("state = ")]
+        return message, _without_no_ops([n for n in notes if not n.startswith("state = ")])
     return None, []
+
+
+def _without_no_ops(lines: list[str]) -> list[str]:
+    """A shrunk example without the steps the machine noted as doing nothing."""
+    out: list[str] = []
+    skip = False
+    for line in lines:
+        if line == NO_OP:
+            skip = True
+        elif skip and line.startswith("state."):
+            skip = False
+        else:
+            out.append(line)
+    return out
 
 
 def conform(

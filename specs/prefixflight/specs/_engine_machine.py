@@ -40,6 +40,7 @@ from prefixflight.core import UsageError
 
 from ._adapter import (
     ALPHABET,
+    NO_OP,
     EngineAdapter,
     PoolView,
     chunk_tokens,
@@ -210,6 +211,7 @@ class PrefixEngineConformance(RuleBasedStateMachine):
     def evict(self, pages: int, now: int) -> None:
         assert self.ref is not None
         if now:
+            note(NO_OP)
             return
         self.step = f"evict({pages})"
         note(self.step)
@@ -221,6 +223,7 @@ class PrefixEngineConformance(RuleBasedStateMachine):
     def invalidate(self, data: st.DataObject, now: int) -> None:
         assert self.ref is not None
         if now:
+            note(NO_OP)
             return
         key = data.draw(st.sampled_from(sorted(self.ref.resident())), label="block")
         self.step = f"invalidate({self._label(key)})"
@@ -236,6 +239,7 @@ class PrefixEngineConformance(RuleBasedStateMachine):
         """Drop everything (only while nothing runs)."""
         assert self.ref is not None
         if now:
+            note(NO_OP)
             return
         self.step = "reset()"
         note(self.step)

@@ -28,6 +28,7 @@ from prefixflight.core import UsageError
 
 from ._adapter import (
     ALPHABET,
+    NO_OP,
     KVChange,
     chunk_tokens,
     class_of,
@@ -195,6 +196,7 @@ class KVIndexConformance(RuleBasedStateMachine):
     def reset(self, data: st.DataObject, now: int) -> None:
         assert self.ref is not None
         if now:  # one draw in three: a reset empties everything the other rules built
+            note(NO_OP)
             return
         self.step = "reset()"
         note(self.step)

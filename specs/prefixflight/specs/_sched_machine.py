@@ -51,7 +51,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from prefixflight.core import UsageError
 
-from ._adapter import ALPHABET, chunk_tokens, configs_of, label, name_of, semantics_of
+from ._adapter import ALPHABET, NO_OP, chunk_tokens, configs_of, label, name_of, semantics_of
 from ._declare import SchedulerSemantics
 from ._sched_adapter import Delivery, ScheduledRow, SchedulerLimits, SchedulerPages
 from ._strategies import draw_supported
@@ -281,6 +281,7 @@ class SchedulerConformance(RuleBasedStateMachine):
     def abort(self, data: st.DataObject, now: int, started: bool) -> None:
         """A client goes away (``started``: one whose request has run, if any has)."""
         if now:
+            note(NO_OP)
             return
         pick = sorted(self.live & self.seen) if started else []
         self._abort(data.draw(st.sampled_from(pick or sorted(self.live)), label="request"))
@@ -299,6 +300,7 @@ class SchedulerConformance(RuleBasedStateMachine):
     def drain(self, now: int) -> None:
         """Liveness: with arrivals stopped, everything finishes within a bound of steps."""
         if now:
+            note(NO_OP)
             return
         if self.rows is not None:
             self._complete()
