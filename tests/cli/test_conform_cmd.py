@@ -143,6 +143,8 @@ def test_a_broken_fork_exits_1_with_its_shrunk_example(
         (["--adapter", "forks:StaleLRU", "--check", "engine"], "StaleLRU has no block_size"),
         (["--adapter", "forks:NoEvictFIFO", "--check", "lru"], "cannot run as 'lru'"),
         (["--adapter", "forks:StaleLRU", "--impl", "forks:StaleLRU"], "--impl replaces a class"),
+        (["--adapter", "forks:NoEvictFIFO", "--check", "engine"], "the 'engine' check needs Eng"),
+        (["--adapter", "broken_syntax:X"], "cannot import 'broken_syntax': SyntaxError"),
         (["prefixflight", "--check", "nope"], "invalid choice: 'nope'"),
         (["sglang", "--check", "scheduler"], "sglang has no check 'scheduler'; its checks: engine"),
         (
@@ -153,6 +155,7 @@ def test_a_broken_fork_exits_1_with_its_shrunk_example(
 )
 def test_usage_errors_exit_2_with_one_line(tmp_path: Path, args: list[str], says: str) -> None:
     (tmp_path / "forks.py").write_text(_BROKEN)
+    (tmp_path / "broken_syntax.py").write_text("class X(:\n")
     run = _conform(tmp_path, *args)
     assert run.returncode == 2, run.stdout + run.stderr
     assert says in run.stderr and "Traceback" not in run.stderr

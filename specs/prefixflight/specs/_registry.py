@@ -148,6 +148,8 @@ def load_object(path: str) -> Any:
         obj = import_module(module)
     except ImportError as exc:
         raise UsageError(f"cannot import {module!r}: {exc}") from None
+    except Exception as exc:  # the module itself fails (a syntax error, an error at import)
+        raise UsageError(f"cannot import {module!r}: {type(exc).__name__}: {exc}") from None
     for part in name.split("."):
         try:
             obj = getattr(obj, part)
@@ -189,7 +191,7 @@ def check_for(semantics: Any, check: str | None, subject: str) -> str:
         )
     if check is not None and not isinstance(semantics, MACHINES[check].semantics):
         raise UsageError(
-            f"{subject} declares a {type(semantics).__name__}; the {check!r} check needs a "
+            f"{subject} declares {type(semantics).__name__}; the {check!r} check needs "
             f"{MACHINES[check].semantics.__name__}"
         )
     if check is not None and named is not None and check != named:
