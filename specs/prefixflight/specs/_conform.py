@@ -287,10 +287,19 @@ def _qualified(cls: type[Any]) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
+_PEERS = ("vllm", "sglang", "libcachesim")  # what benchmarks/peers/setup.sh installs
+
+
 def _not_installed(engine: str, exc: ImportError) -> str:
-    return (
-        f"{engine} cannot be imported here ({exc}); run in the environment that "
-        "benchmarks/peers/setup.sh builds"
+    missing = (exc.name or "").split(".")[0]
+    if engine in _PEERS or missing in _PEERS:
+        return (
+            f"{engine} cannot be imported here ({exc}); run in the environment that "
+            "benchmarks/peers/setup.sh builds"
+        )
+    hint = "; install prefixflight's extras (pip install 'prefixflight[all]')"
+    return f"{engine} cannot import what it needs here ({exc})" + (
+        hint if engine == "prefixflight" else ""
     )
 
 
