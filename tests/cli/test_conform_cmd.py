@@ -246,6 +246,25 @@ def test_a_users_adapter_of_40_lines_runs_from_the_command_line(tmp_path: Path) 
         assert f"replay: prefixflight conform --adapter {name}:MyS3FIFO" in run.stdout
 
 
+def test_the_fifo_example_runs_and_a_fifo_that_refreshes_is_caught(tmp_path: Path) -> None:
+    """docs/examples/my_fifo.py, the shortest adapter (for the README): passes; the same
+    class refreshing a block on a hit (an LRU) exits 1."""
+    source = (EXAMPLE.parent / "my_fifo.py").read_text(encoding="utf-8")
+    (tmp_path / "my_fifo.py").write_text(source)
+    run = _conform(tmp_path, "--adapter", "my_fifo:MyFIFO", "--examples", "50", "--seed", "0")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "FIFOConformance over MyFIFO (my_fifo:MyFIFO): passed 50 examples" in run.stdout
+    lru = source.replace(
+        "            if b not in self.blocks and self.capacity:",
+        "            self.blocks.pop(b, 0)  # a hit moves it to the end\n"
+        "            if self.capacity:",
+    )
+    assert lru != source
+    (tmp_path / "my_lru.py").write_text(lru)
+    run = _conform(tmp_path, "--adapter", "my_lru:MyFIFO", "--seed", "0")
+    assert run.returncode == 1 and "UNDECLARED DIFFERENCE" in run.stdout, run.stdout
+
+
 def test_an_installed_package_registers_its_adapter(tmp_path: Path) -> None:
     """An entry point in the group prefixflight.adapters makes `prefixflight conform NAME`
     find the adapter (here a distribution's metadata on the path, as pip installs it)."""
