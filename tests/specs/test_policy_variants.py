@@ -30,6 +30,7 @@ from prefixflight.specs import (
     SIEVEConformance,
     Unsupported,
     declared_differences,
+    machine_for,
     small_ratios,
 )
 
@@ -366,3 +367,42 @@ def test_unsupported_works_in_a_plain_hypothesis_run() -> None:
     assert HealthCheck.filter_too_much not in plain.suppress_health_check
     run_state_machine_as_test(FIFOConformance.for_factory(only_five), settings=plain)
     assert made and set(made) == {5}
+
+
+# -- machine_for: the one builder ----------------------------------------------------------------
+def test_machine_for_reads_the_declaration_and_the_configs_attribute() -> None:
+    """The machine the declaration names; a `configs` attribute (a strategy, or a function
+    returning one) narrows what is drawn; without a declaration a check must be named."""
+    seen: list[int] = []
+
+    class Narrow(TinyFIFO):
+        configs = st.just({"capacity": 3})
+
+        def __init__(self, capacity: int) -> None:
+            seen.append(capacity)
+            super().__init__(capacity)
+
+    class Lazy(Narrow):
+        @staticmethod
+        def configs() -> st.SearchStrategy[dict[str, int]]:  # type: ignore[override]
+            return st.just({"capacity": 2})
+
+    for cls, capacity in ((Narrow, 3), (Lazy, 2)):
+        seen.clear()
+        machine = machine_for(cls)
+        assert machine.__mro__[1] is FIFOConformance
+        run_state_machine_as_test(machine, settings=_PASS)
+        assert set(seen) == {capacity}
+    assert machine_for(TinyLFU).__mro__[1] is LFUConformance
+    assert machine_for(TinySIEVE, check="sieve").__mro__[1] is SIEVEConformance
+
+    def bare(capacity: int) -> TinyFIFO:
+        return TinyFIFO(capacity)
+
+    with pytest.raises(UsageError, match="bare declares no semantics"):
+        machine_for(bare)
+    assert machine_for(bare, check="fifo", semantics=TinyFIFO.semantics).__mro__[1] is (
+        FIFOConformance
+    )
+    with pytest.raises(UsageError, match="without a policy"):
+        machine_for(bare, semantics=PolicySemantics(ops=set()))
