@@ -40,10 +40,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="fuzz an engine's prefix cache, eviction policy or scheduler (vLLM, SGLang, "
         "libCacheSim, ours, or your own adapter) against the spec",
         description=(
-            "Drive ENGINE's own cache calls with requests sharing prefixes (or its eviction "
-            "policy with block streams, or its scheduler as a model runner would), check it "
-            "against prefixflight's spec after every step, and report every difference its "
-            "adapter does not declare, shrunk to a minimal example. Exit 0: matches up to its "
+            "Drive ENGINE's own cache calls (or your --adapter's) with requests sharing "
+            "prefixes (or its eviction policy with block streams, its scheduler as a model "
+            "runner would, its KV-event index with an engine's events), check it against "
+            "prefixflight's spec after every step, and report every difference its adapter "
+            "does not declare, shrunk to a minimal example. Exit 0: matches up to its "
             "declared differences; 1: an undeclared difference; 2: usage error."
         ),
     )
