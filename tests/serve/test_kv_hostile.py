@@ -320,6 +320,12 @@ def test_a_replay_that_never_ends_is_cut_off(bound: str) -> None:
                 "the replay to be cut off",
             )
             assert time.monotonic() - started < 10
+            # another gap at once: that replay endpoint is not asked again for a while
+            gap = sub.feeds["evil"].next_seq + 3
+            peer.send(TOPIC, seq(gap), stored(80))
+            assert sub.wait_for_seq("evil", gap + 1, 2.0), "a live batch waited on a replay"
+            assert responder.requests == 1
+            assert sub.error_counts()[("evil", "replay_bound")] == 1
             responder.stop.set()
             good_still_flows(sub, good, 5)
             assert sub.alive

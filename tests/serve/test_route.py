@@ -723,3 +723,42 @@ def test_a_hostile_kv_peer_at_one_backends_endpoint_blinds_nothing(
     finally:
         router.stop()
         pub.close(linger=0)
+
+
+def test_file_descriptors_return_to_their_baseline_after_many_streams(
+    start_router: Callable[..., ServerThread],
+) -> None:
+    """100 concurrent streams, 20 of them left mid-stream: the process's descriptors
+    (router and backends share it) come back to what they were once connections idle out."""
+    import os
+
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("needs /proc/self/fd")
+    router = start_router()
+    c = client(router)
+    c.completions.create(model=MODEL_NAME, prompt="warm", max_tokens=1)
+
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    until(lambda: router_state(router).total_in_flight == 0, "the warm-up to end")
+    baseline = fds()
+
+    async def streams() -> None:
+        limits = httpx.Limits(max_connections=200)
+        async with httpx.AsyncClient(timeout=60, limits=limits) as http:
+
+            async def one(i: int) -> None:
+                body = {"model": MODEL_NAME, "prompt": prompt(), "max_tokens": 8, "stream": True}
+                url = router.base_url + "/v1/completions"
+                async with http.stream("POST", url, json=body) as s:
+                    async for _ in s.aiter_raw():
+                        if i % 5 == 0:
+                            break  # a client that leaves mid-stream
+
+            await asyncio.gather(*(one(i) for i in range(100)))
+
+    asyncio.run(streams())
+    peak = fds()
+    until(lambda: fds() <= baseline + 4, f"descriptors back to {baseline} (peak {peak})")
+    until(lambda: router_state(router).total_in_flight == 0, "the router's count")

@@ -150,7 +150,10 @@ class KVEventSubscriber:
     (each SUB socket's receive high-water mark: past it new live messages are dropped, and
     later replayed), ``replay_max_frames`` / ``replay_max_bytes`` per replay answer,
     ``replay_budget_s`` for one whole replay (all its rounds), ``replay_timeout_s`` for each
-    reply, ``max_blocks`` per replica index (oldest forgotten first).
+    reply, ``max_blocks`` per replica index (oldest forgotten first). A replay cut short (no
+    end marker in time, or past a bound) is not asked of that replica again for
+    ``replay_backoff_s``, so one replay endpoint cannot hold the thread that serves every
+    replica.
 
     Drive it from one thread: `poll` (bounded waits) or `start` (a background thread that
     polls until `close`). The index is read with plain membership tests, which are safe from
@@ -167,6 +170,7 @@ class KVEventSubscriber:
         index: ClusterBlockIndex | None = None,
         replay_timeout_s: float = 2.0,
         replay_budget_s: float = 5.0,
+        replay_backoff_s: float = 10.0,
         replay_max_frames: int = 20_000,
         replay_max_bytes: int = 64 << 20,
         max_message_bytes: int = 2 << 20,
@@ -181,6 +185,7 @@ class KVEventSubscriber:
         for flag, value, least in (
             ("replay_timeout_s", replay_timeout_s, 0.001),
             ("replay_budget_s", replay_budget_s, 0.001),
+            ("replay_backoff_s", replay_backoff_s, 0),
             ("replay_max_frames", replay_max_frames, 1),
             ("replay_max_bytes", replay_max_bytes, 1),
             ("max_message_bytes", max_message_bytes, 1),
@@ -191,6 +196,8 @@ class KVEventSubscriber:
             ClusterBlockIndex(hasher=hasher, max_blocks=max_blocks) if index is None else index
         )
         self._replay_budget_s = float(replay_budget_s)
+        self._replay_backoff_s = float(replay_backoff_s)
+        self._no_replay_until: dict[str, float] = {}
         self._replay_max_frames = int(replay_max_frames)
         self._replay_max_bytes = int(replay_max_bytes)
         self._max_message_bytes = int(max_message_bytes)
@@ -405,6 +412,7 @@ class KVEventSubscriber:
         self._topics.pop(name, None)
         self._last_batch.pop(name, None)
         self._reconnections.pop(name, None)
+        self._no_replay_until.pop(name, None)
         self._reconnected.pop(name, None)
         self._index.drop(name)
         if name in self._subs:
@@ -638,7 +646,8 @@ class KVEventSubscriber:
 
     def _drop_dealer(self, name: str) -> None:
         """Close ``name``'s replay socket, so that what is left of an answer cannot mix with
-        the next one."""
+        the next one; no replay is asked of ``name`` for ``replay_backoff_s``."""
+        self._no_replay_until[name] = time.monotonic() + self._replay_backoff_s
         sock = self._dealers.pop(name, None)
         if sock is not None:
             sock.close(linger=0)
@@ -649,7 +658,10 @@ class KVEventSubscriber:
         its answers, as `KVEventPublisher` does). The whole replay takes at most
         ``replay_budget_s``."""
         applied = 0
-        deadline = time.monotonic() + self._replay_budget_s
+        now = time.monotonic()
+        if now < self._no_replay_until.get(name, 0.0):
+            return 0
+        deadline = now + self._replay_budget_s
         for _ in range(_MAX_REPLAY_ROUNDS):
             if start > MAX_SEQ:
                 break
