@@ -28,6 +28,14 @@ ROOT = Path(__file__).resolve().parents[2]
         ),
         (["--backend", "http://h:1", "--kv-events", "h:5557"], "--kv-events must be a ZMQ"),
         (["--backend", "http://h:1", "--kv-events-replay", "tcp://h:6"], "needs --kv-events"),
+        (["--backend", "http://h:1", "--kv-events-topic", "kv@a@m"], "needs --kv-events"),
+        (
+            [
+                *("--backend", "http://h:1", "--kv-events", "tcp://h:5"),
+                *("--kv-events-topic", "a", "--kv-events-topic", "b"),
+            ],
+            "--kv-events-topic was given 2 times for 1 backends",
+        ),
         (["--backend", "http://h:1", "--window-ms", "20", "--lone-wait-ms", "30"], "lone_wait_ms"),
         (["--backend", "http://h:1", "--window-ms", "20", "--quiet-ms", "30"], "quiet_ms"),
         (["--backend", "http://h:1", "--policy", "random"], "invalid choice: 'random'"),

@@ -683,7 +683,7 @@ def test_a_hostile_kv_peer_at_one_backends_endpoint_blinds_nothing(
                 kv_events=backends[0].publisher.endpoint,
                 kv_replay=backends[0].publisher.replay_endpoint,
             ),
-            RouteBackend(url=backends[1].url, kv_events=evil),
+            RouteBackend(url=backends[1].url, kv_events=evil, kv_topic="kv@b1@tiny"),
         ),
         engine_block_size=PAGE,
         policy="prefix",
@@ -692,17 +692,19 @@ def test_a_hostile_kv_peer_at_one_backends_endpoint_blinds_nothing(
     router.start()
     try:
         sub = router_state(router).subscriber
+        t = b"kv@b1@tiny"
         hostile = [
-            [b"t", (2**64 - 1).to_bytes(8, "big"), b"\x90"],  # seq 2**64-1
-            [b"t", (1).to_bytes(8, "big"), b"\x91" * 10_000 + b"\xc0"],  # 10,000-deep
-            [b"t", (2).to_bytes(8, "big"), msgspec.msgpack.encode([1.0, [], 0]) + b"\x00"],
+            [t, (2**64 - 1).to_bytes(8, "big"), b"\x90"],  # seq 2**64-1
+            [t, (1).to_bytes(8, "big"), b"\x91" * 10_000 + b"\xc0"],  # 10,000-deep
+            [t, (2).to_bytes(8, "big"), msgspec.msgpack.encode([1.0, [], 0]) + b"\x00"],
+            [b"kv@b0@tiny", (3).to_bytes(8, "big"), msgspec.msgpack.encode([1.0, [], 0])],
         ]
 
         def sent() -> bool:  # a SUB joins late: send until the errors show
             for frames in hostile:
                 pub.send_multipart(frames)
             kinds = {k for (name, k) in sub.error_counts() if name == backends[1].url}
-            return {"seq", "decode"} <= kinds
+            return {"seq", "decode", "topic"} <= kinds
 
         until(sent, "the hostile frames to be counted")
         hasher = BlockHasher(block_size=PAGE)

@@ -59,6 +59,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         metavar="ENDPOINT",
         help="with --kv-events: each backend's replay endpoint, in --backend order",
     )
+    p.add_argument(
+        "--kv-events-topic",
+        action="append",
+        metavar="TOPIC",
+        help="with --kv-events: the topic each backend publishes under, in --backend order "
+        "(vLLM's kv-events-config topic); events under another are refused (default: the "
+        "first topic each backend uses)",
+    )
     p.add_argument("--policy", choices=POLICIES, default="burst", help="the routing policy")
     p.add_argument(
         "--engine-block-size",
@@ -216,6 +224,13 @@ def run(args: argparse.Namespace) -> int:
     replay = _per_backend(parser, "--kv-events-replay", args.kv_events_replay, n)
     if args.kv_events is None and args.kv_events_replay is not None:
         parser.error("--kv-events-replay needs --kv-events")
+    if args.kv_events is None and args.kv_events_topic is not None:
+        parser.error("--kv-events-topic needs --kv-events")
+    topics = args.kv_events_topic or [None] * n
+    if len(topics) != n:
+        parser.error(
+            f"--kv-events-topic was given {len(topics)} times for {n} backends: give it once each"
+        )
     keys = api_keys(args)  # a bad keys file fails before anything starts
     try:
         from prefixflight.serve import route
@@ -227,8 +242,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = route.RouteConfig(
             backends=tuple(
-                route.Backend(url=url.rstrip("/").removesuffix("/v1"), kv_events=k, kv_replay=r)
-                for url, k, r in zip(args.backend, kv, replay, strict=True)
+                route.Backend(
+                    url=url.rstrip("/").removesuffix("/v1"), kv_events=k, kv_replay=r, kv_topic=t
+                )
+                for url, k, r, t in zip(args.backend, kv, replay, topics, strict=True)
             ),
             policy=args.policy,
             burst=BurstConfig(

@@ -120,15 +120,24 @@ def _endpoint(_i: object, attribute: attrs.Attribute[Any], value: str | None) ->
 class Backend:
     """One engine: its base URL (``http://host:port``, named by it in metrics and loads) and,
     optionally, where it publishes KV events (``kv_events``, a ZMQ endpoint to connect to)
-    and serves their replays (``kv_replay``)."""
+    and serves their replays (``kv_replay``), and the topic it publishes them under
+    (``kv_topic``: events under any other are refused; ``None``: the first topic it uses)."""
 
     url: str = attrs.field(validator=_url)
     kv_events: str | None = attrs.field(default=None, validator=_endpoint)
     kv_replay: str | None = attrs.field(default=None, validator=_endpoint)
+    kv_topic: str | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.kv_replay is not None and self.kv_events is None:
             raise ConfigError(f"backend {self.url}: a replay endpoint needs a KV-event endpoint")
+        if self.kv_topic is not None and (
+            not isinstance(self.kv_topic, str) or self.kv_events is None
+        ):
+            raise ConfigError(
+                f"backend {self.url}: kv_topic must be a str, with a KV-event endpoint; got "
+                f"{self.kv_topic!r}"
+            )
 
 
 def _backends(value: Sequence[Backend]) -> tuple[Backend, ...]:
@@ -868,7 +877,10 @@ def build_route_app(
         from .kv_events import KVEventSubscriber, PublisherAddress
 
         subscriber = KVEventSubscriber(
-            {b.url: PublisherAddress(str(b.kv_events), b.kv_replay) for b in kv},
+            {
+                b.url: PublisherAddress(str(b.kv_events), b.kv_replay, topic=b.kv_topic)
+                for b in kv
+            },
             hasher=BlockHasher(block_size=config.engine_block_size),
         )
         index = subscriber.index
