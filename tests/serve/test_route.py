@@ -764,3 +764,72 @@ def test_file_descriptors_return_to_their_baseline_after_many_streams(
     peak = fds()
     until(lambda: fds() <= baseline + 4, f"descriptors back to {baseline} (peak {peak})")
     until(lambda: router_state(router).total_in_flight == 0, "the router's count")
+
+
+def test_a_stopped_prefixflight_serve_costs_its_waiting_requests_seconds_not_the_stop(
+    start_router: Callable[..., ServerThread], backends: list[Backend]
+) -> None:
+    """The probe as run: a real ``prefixflight serve --model tiny`` process, stopped with
+    SIGSTOP while requests go to it. The router's health checks mark it down, its waiting
+    requests move to the other backend, and it is marked up once it runs again."""
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(
+        str(root / d) for d in ("core", "specs", "backends", "serve")
+    )
+    cmd = [sys.executable, "-m", "prefixflight.cli", "serve", "--model", "tiny", "--port", "0"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
+    stopped = False
+    try:
+        assert proc.stderr is not None
+        line = proc.stderr.readline()
+        found = re.search(r"on (http://127\.0\.0\.1:\d+)", line)
+        assert found, line
+        url = found[1]
+        router = start_router(
+            [url, backends[0].url],
+            policy="round_robin",
+            health_interval_s=0.5,
+            health_timeout_s=0.5,
+            health_failures=2,
+        )
+        state = router_state(router)
+        os.kill(proc.pid, signal.SIGSTOP)
+        stopped = True
+        started = time.monotonic()
+
+        async def four() -> list[Any]:
+            async with httpx.AsyncClient(timeout=60) as c:
+                url = router.base_url + "/v1/completions"
+                return list(
+                    await asyncio.gather(
+                        *(
+                            c.post(
+                                url, json={"model": MODEL_NAME, "prompt": prompt(), "max_tokens": 1}
+                            )
+                            for _ in range(4)
+                        )
+                    )
+                )
+
+        answers = asyncio.run(four())
+        assert [a.status_code for a in answers] == [200] * 4, [a.text for a in answers]
+        assert time.monotonic() - started < 10  # the stop would have held two for 15 s
+        assert state.up[url] is False
+        os.kill(proc.pid, signal.SIGCONT)
+        stopped = False
+        until(lambda: state.up[url], "the backend to be marked up again")
+    finally:
+        if stopped:
+            os.kill(proc.pid, signal.SIGCONT)
+        proc.terminate()
+        proc.wait(timeout=30)
+        if proc.stderr is not None:
+            proc.stderr.close()

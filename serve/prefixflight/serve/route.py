@@ -877,10 +877,7 @@ def build_route_app(
         from .kv_events import KVEventSubscriber, PublisherAddress
 
         subscriber = KVEventSubscriber(
-            {
-                b.url: PublisherAddress(str(b.kv_events), b.kv_replay, topic=b.kv_topic)
-                for b in kv
-            },
+            {b.url: PublisherAddress(str(b.kv_events), b.kv_replay, topic=b.kv_topic) for b in kv},
             hasher=BlockHasher(block_size=config.engine_block_size),
         )
         index = subscriber.index
