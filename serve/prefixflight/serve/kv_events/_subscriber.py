@@ -365,6 +365,8 @@ class KVEventSubscriber:
     def _open(self, name: str, address: PublisherAddress) -> None:
         """``name``'s SUB socket and its connection monitor, bound or connected and polled."""
         sub = self._ctx.socket(zmq.SUB)
+        # monitored before it connects: the first handshake is reported too
+        monitor = sub.get_monitor_socket(_MONITORED)
         try:
             sub.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
             sub.setsockopt(zmq.RCVHWM, self._queue_messages)
@@ -374,13 +376,15 @@ class KVEventSubscriber:
             else:
                 sub.connect(address.endpoint)
         except zmq.ZMQError as exc:
+            sub.disable_monitor()
+            monitor.close(linger=0)
             sub.close(linger=0)
             how = "bind" if address.bind else "connect to"
             raise ConfigError(f"{name}: cannot {how} {address.endpoint!r}: {exc}") from None
         self._endpoints[name] = resolved(sub, address.endpoint)
         self._subs[name] = sub
         self._by_socket[sub] = name
-        monitor = self._monitors[name] = sub.get_monitor_socket(_MONITORED)
+        self._monitors[name] = monitor
         self._by_monitor[monitor] = name
         self._poller.register(sub, zmq.POLLIN)
         self._poller.register(monitor, zmq.POLLIN)
@@ -668,7 +672,8 @@ class KVEventSubscriber:
             got = self._replay_once(name, start, deadline)
             applied += got
             feed = self._feeds.get(name)
-            if got == 0 or feed is None or time.monotonic() >= deadline:
+            cut = time.monotonic() < self._no_replay_until.get(name, 0.0)
+            if got == 0 or feed is None or cut or time.monotonic() >= deadline:
                 break
             start = feed.next_seq
         return applied
@@ -689,7 +694,12 @@ class KVEventSubscriber:
                 return applied
             if not sock.poll(min(self._replay_timeout_ms, left_ms)):
                 self._drop_dealer(name)
-                self._fail(name, "replay_timeout", TimeoutError(f"replay from {start} timed out"))
+                if self._replay_timeout_ms < left_ms:
+                    why = f"no reply in {self._replay_timeout_ms} ms"
+                    self._fail(name, "replay_timeout", TimeoutError(f"replay from {start}: {why}"))
+                else:
+                    why = f"{self._replay_budget_s} s budget spent"
+                    self._fail(name, "replay_bound", TimeoutError(f"replay from {start}: {why}"))
                 return applied
             frames = sock.recv_multipart()
             frames_in += 1
