@@ -622,6 +622,10 @@ def test_health_reports_the_backends_and_the_kv_subscriber(
     assert {u: b["up"] for u, b in body["backends"].items()} == {b.url: True for b in backends}
     assert body["kv_events"]["alive"] is True
     assert set(body["kv_events"]["backends"]) == {b.url for b in backends}
+    router_state(router).subscriber.close()  # its thread ends: residency is frozen
+    body = httpx.get(router.base_url + "/health").json()
+    assert body["status"] == "degraded" and body["kv_events"]["alive"] is False
+    assert "prefixflight_route_kv_subscriber_up 0.0" in httpx.get(router.base_url + "/metrics").text
     dead = start_router([_closed_port_url()], healthy=False)
     r = httpx.get(dead.base_url + "/health")
     assert r.status_code == 503 and "no backend is up" in r.json()["error"]["message"]
