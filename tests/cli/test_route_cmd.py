@@ -28,6 +28,14 @@ ROOT = Path(__file__).resolve().parents[2]
         ),
         (["--backend", "http://h:1", "--kv-events", "h:5557"], "--kv-events must be a ZMQ"),
         (["--backend", "http://h:1", "--kv-events-replay", "tcp://h:6"], "needs --kv-events"),
+        (["--backend", "http://h:1", "--kv-events-topic", "kv@a@m"], "needs --kv-events"),
+        (
+            [
+                *("--backend", "http://h:1", "--kv-events", "tcp://h:5"),
+                *("--kv-events-topic", "a", "--kv-events-topic", "b"),
+            ],
+            "--kv-events-topic was given 2 times for 1 backends",
+        ),
         (["--backend", "http://h:1", "--window-ms", "20", "--lone-wait-ms", "30"], "lone_wait_ms"),
         (["--backend", "http://h:1", "--window-ms", "20", "--quiet-ms", "30"], "quiet_ms"),
         (["--backend", "http://h:1", "--policy", "random"], "invalid choice: 'random'"),
@@ -57,6 +65,13 @@ def test_a_tokenizer_that_cannot_be_read_is_a_one_line_error(
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"prefixflight route: error: --tokenizer {tmp_path}: cannot load")
     assert len(err.splitlines()) == 1
+    missing = tmp_path / "BADPATH"
+    assert main(["route", "--backend", "http://h:1", "--tokenizer", str(missing)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"prefixflight route: error: --tokenizer {missing}: no such folder (give the folder of "
+        "a Hugging Face tokenizer, the backends' model)"
+    )
 
 
 def _closed_port_url() -> str:
@@ -93,11 +108,12 @@ def test_the_command_serves_and_stops_gracefully(stop: signal.Signals) -> None:
         line = proc.stderr.readline()
         assert line.startswith("prefixflight route: http://127.0.0.1:"), line
         url = line.split()[2]
-        assert httpx.get(url + "/health", timeout=10).status_code == 200
+        health = httpx.get(url + "/health", timeout=10)  # its one backend refuses connections
+        assert health.status_code == 503, health.text
+        assert "no backend is up" in health.json()["error"]["message"]
         r = httpx.post(url + "/v1/completions", json={"prompt": "x"}, timeout=10)
-        assert r.status_code == 503  # its one backend refuses connections
+        assert r.status_code == 503
         assert r.json()["error"]["message"] == "no backend is up"
-        assert httpx.get(url + "/health", timeout=10).status_code == 503
     finally:
         proc.send_signal(stop)
         code = proc.wait(timeout=30)

@@ -214,3 +214,21 @@ def test_a_scheduler_publishing_deepest_first_goes_out_parents_first() -> None:
     idx.apply_batch(WireBatch(ts=0.0, events=wire))
     assert idx.stats.unresolved == 0
     assert len(idx.keys()) == 3
+
+
+@pytest.mark.parametrize("rebuild", [False, True], ids=["publisher-hashes", "rebuilt-keys"])
+def test_an_index_holds_at_most_max_blocks_forgetting_the_first_stored(rebuild: bool) -> None:
+    hasher = BlockHasher(block_size=BS) if rebuild else None
+    idx = ReplicaBlockIndex("r", hasher=hasher, max_blocks=3)
+    for h in range(1, 6):  # five unrelated one-block stores
+        idx.apply(_stored([h], None, [h] * BS))
+    assert len(idx) == 3 and idx.stats.evicted == 2 and idx.stats.stored == 5
+    first = fold_hash(hasher.hash_tokens([1] * BS)[0]) if hasher else 1
+    last = fold_hash(hasher.hash_tokens([5] * BS)[0]) if hasher else 5
+    held = idx.keys()
+    assert first not in held and last in held
+    big = ReplicaBlockIndex("r", hasher=hasher, max_blocks=10)
+    big.apply(_stored(list(range(100, 150)), None, [7] * (50 * BS)))  # one event, 50 blocks
+    assert len(big) == 10 and big.stats.evicted == 40
+    with pytest.raises(UsageError, match="max_blocks must be an int >= 1, got 0"):
+        ReplicaBlockIndex("r", max_blocks=0)

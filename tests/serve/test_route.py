@@ -95,7 +95,9 @@ def start_router(backends: list[Backend]) -> Iterator[Callable[..., ServerThread
 
     started: list[ServerThread] = []
 
-    def start(urls: list[str] | None = None, *, kv: bool = True, **config: Any) -> ServerThread:
+    def start(
+        urls: list[str] | None = None, *, kv: bool = True, healthy: bool = True, **config: Any
+    ) -> ServerThread:
         targets = [
             RouteBackend(
                 url=b.url,
@@ -108,7 +110,7 @@ def start_router(backends: list[Backend]) -> Iterator[Callable[..., ServerThread
             targets = [RouteBackend(url=u) for u in urls]
         config.setdefault("engine_block_size", PAGE)
         app = build_route_app(RouteConfig(backends=tuple(targets), **config), codec=CharCodec())
-        started.append(ServerThread(app, make_server=route_server).start())
+        started.append(ServerThread(app, make_server=route_server).start(healthy=healthy))
         return started[-1]
 
     yield start
@@ -296,7 +298,7 @@ def test_a_dead_backend_is_skipped_and_all_dead_is_503(
         assert c.completions.create(model=MODEL_NAME, prompt=prompt(), max_tokens=1).choices
     assert routed(router) == {backends[0].url: 4.0}
     assert router_state(router).up[dead] is False
-    only_dead = start_router([dead], policy="round_robin", health_interval_s=60)
+    only_dead = start_router([dead], policy="round_robin", health_interval_s=60, healthy=False)
     with pytest.raises(openai.InternalServerError) as info:
         client(only_dead, max_retries=0).completions.create(
             model=MODEL_NAME, prompt="x", max_tokens=1
@@ -338,13 +340,17 @@ class LoopbackServer:
             conn.close()
 
 
-def read_request(conn: socket.socket) -> bool:
-    """Read one HTTP request (its head and a ``Content-Length`` body); False at EOF."""
+HEALTHY = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
+
+
+def read_request(conn: socket.socket) -> bytes:
+    """Read one HTTP request (its head and a ``Content-Length`` body); its head, or b"" at
+    EOF."""
     data = b""
     while b"\r\n\r\n" not in data:
         chunk = conn.recv(65536)
         if not chunk:
-            return False
+            return b""
         data += chunk
     head, _, body = data.partition(b"\r\n\r\n")
     length = 0
@@ -354,20 +360,23 @@ def read_request(conn: socket.socket) -> bool:
             length = int(value)
     while len(body) < length:
         body += conn.recv(65536)
-    return True
+    return head
 
 
 class RawBackend(LoopbackServer):
-    """Answers every request with ``reply`` (raw bytes, possibly a cut stream), then closes;
-    with ``reply=None`` never answers (the router's timeout decides)."""
+    """Answers its health probes, and every other request with ``reply`` (raw bytes,
+    possibly a cut stream), then closes; with ``reply=None`` never answers those (the
+    router's timeout decides)."""
 
     def __init__(self, reply: bytes | None) -> None:
         self.reply = reply
         super().__init__()
 
     def handle(self, conn: socket.socket) -> None:
-        read_request(conn)
-        if self.reply is not None:
+        if read_request(conn).startswith(b"GET /health "):
+            conn.sendall(HEALTHY)
+            conn.close()
+        elif self.reply is not None:
             conn.sendall(self.reply)
             conn.close()
 
@@ -474,3 +483,357 @@ def _closed_port_url() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+# -- hardening: tenants, hung backends, /health, hostile KV peers ------------------------------
+def cached_tokens(router: ServerThread, key: str, text: str, **extra: Any) -> int:
+    body = {"model": MODEL_NAME, "prompt": text, "max_tokens": 1, **extra}
+    r = httpx.post(
+        router.base_url + "/v1/completions",
+        json=body,
+        headers={"authorization": f"Bearer {key}"},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    return int(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def test_the_router_writes_the_tenant_into_the_salt_so_backends_keep_tenants_apart(
+    start_router: Callable[..., ServerThread], backends: list[Backend]
+) -> None:
+    """Behind the router's keys file, a backend without one (``prefixflight serve`` here)
+    serves a tenant's cached prefix to that tenant only, whatever salt the others send."""
+    from prefixflight.serve.route import tenant_salt
+
+    router = start_router(
+        [backends[0].url], api_keys={"kA": "tenantA", "kB": "tenantB", "kC": None}
+    )
+    text = prompt(200)
+    assert cached_tokens(router, "kA", text) == 0
+    assert cached_tokens(router, "kA", text) >= 196  # the same tenant hits
+    assert cached_tokens(router, "kB", text) == 0  # another tenant misses
+    forged = tenant_salt({}, "tenantA")  # A's salt as the backend sees it
+    assert forged is not None
+    assert cached_tokens(router, "kB", text, cache_salt=forged) == 0
+    assert cached_tokens(router, "kC", text, cache_salt=forged) == 0  # a key without tenant
+    assert cached_tokens(router, "kC", text) == 0
+    # a client's own salt divides its tenant's namespace, never joins another's
+    assert cached_tokens(router, "kA", text, cache_salt="s1") == 0
+    assert cached_tokens(router, "kA", text, cache_salt="s1") >= 196
+
+
+class HangingBackend(LoopbackServer):
+    """A backend that answers (health probes with 200, completions with a small answer)
+    until `hang` is set; then it reads requests and answers none, as a stopped process
+    would, until `resume` (its held requests are then dropped)."""
+
+    ANSWER = b'{"choices": [{"text": "x"}]}'
+
+    def __init__(self) -> None:
+        import threading
+
+        self.hang = threading.Event()
+        self.resumed = threading.Event()
+        self.held_requests = 0
+        super().__init__()
+
+    def resume(self) -> None:
+        self.hang.clear()
+        self.resumed.set()
+
+    def handle(self, conn: socket.socket) -> None:
+        with conn:
+            while head := read_request(conn):
+                if self.hang.is_set():
+                    self.held_requests += 1
+                    self.resumed.wait(60)
+                    return
+                reply = b"{}" if head.startswith(b"GET /health ") else self.ANSWER
+                conn.sendall(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                    + b"content-length: %d\r\n\r\n" % len(reply)
+                    + reply
+                )
+
+
+def test_a_backend_that_stops_answering_is_marked_down_and_its_waiting_requests_move(
+    start_router: Callable[..., ServerThread], backends: list[Backend]
+) -> None:
+    hung = HangingBackend()
+    try:
+        router = start_router(
+            [hung.url, backends[0].url],
+            policy="round_robin",
+            health_interval_s=0.2,
+            health_timeout_s=0.5,
+            health_failures=2,
+        )
+        state = router_state(router)
+        hung.hang.set()
+        started = time.monotonic()
+
+        async def four() -> list[Any]:
+            async with httpx.AsyncClient(timeout=60) as c:
+                body = {"model": MODEL_NAME, "prompt": prompt(), "max_tokens": 1}
+                url = router.base_url + "/v1/completions"
+                return list(await asyncio.gather(*(c.post(url, json=body) for _ in range(4))))
+
+        answers = asyncio.run(four())
+        took = time.monotonic() - started
+        assert [a.status_code for a in answers] == [200] * 4, [a.text for a in answers]
+        assert all("usage" in a.json() for a in answers)  # all answered by the real backend
+        assert took < 10, took
+        assert state.up[hung.url] is False and hung.held_requests >= 2
+        health = httpx.get(router.base_url + "/health").json()
+        assert health["backends"][hung.url]["up"] is False
+        text = httpx.get(router.base_url + "/metrics").text
+        assert 'kind="moved"' in text and 'kind="health"' in text
+        hung.resume()
+        until(lambda: state.up[hung.url], "the backend to be marked up again")
+    finally:
+        hung.resume()
+        hung.stop()
+
+
+def test_a_backend_whose_answer_does_not_start_in_time_is_a_504(
+    start_router: Callable[..., ServerThread],
+) -> None:
+    hung = HangingBackend()
+    try:
+        router = start_router([hung.url], policy="round_robin", first_byte_timeout_s=0.5)
+        hung.hang.set()  # no other backend: the request stays, then the deadline ends it
+        r = httpx.post(router.base_url + "/v1/completions", json={"prompt": "x"}, timeout=30)
+        assert r.status_code == 504, r.text
+        assert "did not start its answer within 0.5 s" in r.json()["error"]["message"]
+        assert router_state(router).total_in_flight == 0
+    finally:
+        hung.resume()
+        hung.stop()
+
+
+def test_health_reports_the_backends_and_the_kv_subscriber(
+    start_router: Callable[..., ServerThread], backends: list[Backend]
+) -> None:
+    router = start_router()
+    got = httpx.get(router.base_url + "/health")
+    assert got.status_code == 200
+    body = got.json()
+    assert body["status"] == "ok"
+    assert {u: b["up"] for u, b in body["backends"].items()} == {b.url: True for b in backends}
+    assert body["kv_events"]["alive"] is True
+    assert set(body["kv_events"]["backends"]) == {b.url for b in backends}
+    router_state(router).subscriber.close()  # its thread ends: residency is frozen
+    body = httpx.get(router.base_url + "/health").json()
+    assert body["status"] == "degraded" and body["kv_events"]["alive"] is False
+    assert "prefixflight_route_kv_subscriber_up 0.0" in httpx.get(router.base_url + "/metrics").text
+    dead = start_router([_closed_port_url()], healthy=False)
+    r = httpx.get(dead.base_url + "/health")
+    assert r.status_code == 503 and "no backend is up" in r.json()["error"]["message"]
+    assert httpx.get(dead.base_url + "/v1/models").status_code == 503  # consistent
+
+
+def test_a_lone_surrogate_is_a_400_naming_it(start_router: Callable[..., ServerThread]) -> None:
+    router = start_router()
+    for body in ('{"prompt": "ab\\ud800"}', '{"prompt": "x", "cache_salt": "\\udfff"}'):
+        r = httpx.post(
+            router.base_url + "/v1/completions",
+            content=body,
+            headers={"content-type": "application/json"},
+        )
+        assert r.status_code == 400, r.text
+        assert "lone surrogate" in r.json()["error"]["message"], r.text
+    assert sum(routed(router).values()) == 0
+
+
+def test_a_new_salt_on_every_request_keeps_a_bounded_number_of_hashers(
+    start_router: Callable[..., ServerThread],
+) -> None:
+    from prefixflight.serve._routing import MAX_HASHERS
+    from prefixflight.serve.route import RoutePrompt
+
+    router = start_router(policy="prefix")
+    state = router_state(router).state
+    c = client(router)
+    for i in range(20):
+        c.completions.create(
+            model=MODEL_NAME, prompt="hi", max_tokens=1, extra_body={"cache_salt": f"s{i}"}
+        )
+    assert len(state._route_hashers) == 20  # one per salt so far
+    for i in range(MAX_HASHERS + 10):  # past the cap, without HTTP
+        state.route_request(f"r{i}", RoutePrompt((1, 2, 3), namespace=f"n{i}"))
+    assert len(state._route_hashers) == MAX_HASHERS
+    assert "s0" not in state._route_hashers  # the least recently used went first
+
+
+def test_a_hostile_kv_peer_at_one_backends_endpoint_blinds_nothing(
+    start_router: Callable[..., ServerThread], backends: list[Backend]
+) -> None:
+    """Our own PUB socket stands at backend 1's KV endpoint and sends frames that once
+    killed the subscriber's thread; backend 0's residency keeps flowing into the router."""
+    import msgspec
+    import zmq
+
+    from prefixflight.core import BlockHasher
+    from prefixflight.serve.route import Backend as RouteBackend
+    from prefixflight.serve.route import RouteConfig, build_route_app, route_server
+
+    pub: Any = zmq.Context.instance().socket(zmq.PUB)
+    pub.bind("tcp://127.0.0.1:*")
+    evil = pub.getsockopt(zmq.LAST_ENDPOINT).decode()
+    config = RouteConfig(
+        backends=(
+            RouteBackend(
+                url=backends[0].url,
+                kv_events=backends[0].publisher.endpoint,
+                kv_replay=backends[0].publisher.replay_endpoint,
+            ),
+            RouteBackend(url=backends[1].url, kv_events=evil, kv_topic="kv@b1@tiny"),
+        ),
+        engine_block_size=PAGE,
+        policy="prefix",
+    )
+    router = ServerThread(build_route_app(config, codec=CharCodec()), make_server=route_server)
+    router.start()
+    try:
+        sub = router_state(router).subscriber
+        t = b"kv@b1@tiny"
+        hostile = [
+            [t, (2**64 - 1).to_bytes(8, "big"), b"\x90"],  # seq 2**64-1
+            [t, (1).to_bytes(8, "big"), b"\x91" * 10_000 + b"\xc0"],  # 10,000-deep
+            [t, (2).to_bytes(8, "big"), msgspec.msgpack.encode([1.0, [], 0]) + b"\x00"],
+            [b"kv@b0@tiny", (3).to_bytes(8, "big"), msgspec.msgpack.encode([1.0, [], 0])],
+        ]
+
+        def sent() -> bool:  # a SUB joins late: send until the errors show
+            for frames in hostile:
+                pub.send_multipart(frames)
+            kinds = {k for (name, k) in sub.error_counts() if name == backends[1].url}
+            return {"seq", "decode", "topic"} <= kinds
+
+        until(sent, "the hostile frames to be counted")
+        hasher = BlockHasher(block_size=PAGE)
+        text = prompt(40)
+        client(backends[0].server).completions.create(model=MODEL_NAME, prompt=text, max_tokens=1)
+        blocks = hasher.hash_tokens(CharCodec().encode(text))
+        index = sub.index
+        url = backends[0].url
+        until(lambda: index.prefix_blocks(url, blocks) == len(blocks), "backend 0's events")
+        metrics = httpx.get(router.base_url + "/metrics").text
+        assert f'prefixflight_route_kv_errors_total{{backend="{backends[1].url}",kind="seq"}}' in (
+            metrics
+        )
+        assert "prefixflight_route_kv_subscriber_up 1.0" in metrics
+        health = httpx.get(router.base_url + "/health").json()
+        assert health["status"] == "ok" and health["kv_events"]["alive"] is True
+        assert health["kv_events"]["backends"][backends[1].url]["errors"]["decode"] >= 1
+    finally:
+        router.stop()
+        pub.close(linger=0)
+
+
+def test_file_descriptors_return_to_their_baseline_after_many_streams(
+    start_router: Callable[..., ServerThread],
+) -> None:
+    """100 concurrent streams, 20 of them left mid-stream: the process's descriptors
+    (router and backends share it) come back to what they were once connections idle out."""
+    import os
+
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("needs /proc/self/fd")
+    router = start_router()
+    c = client(router)
+    c.completions.create(model=MODEL_NAME, prompt="warm", max_tokens=1)
+
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    until(lambda: router_state(router).total_in_flight == 0, "the warm-up to end")
+    baseline = fds()
+
+    async def streams() -> None:
+        limits = httpx.Limits(max_connections=200)
+        async with httpx.AsyncClient(timeout=60, limits=limits) as http:
+
+            async def one(i: int) -> None:
+                body = {"model": MODEL_NAME, "prompt": prompt(), "max_tokens": 8, "stream": True}
+                url = router.base_url + "/v1/completions"
+                async with http.stream("POST", url, json=body) as s:
+                    async for _ in s.aiter_raw():
+                        if i % 5 == 0:
+                            break  # a client that leaves mid-stream
+
+            await asyncio.gather(*(one(i) for i in range(100)))
+
+    asyncio.run(streams())
+    peak = fds()
+    until(lambda: fds() <= baseline + 4, f"descriptors back to {baseline} (peak {peak})")
+    until(lambda: router_state(router).total_in_flight == 0, "the router's count")
+
+
+def test_a_stopped_prefixflight_serve_costs_its_waiting_requests_seconds_not_the_stop(
+    start_router: Callable[..., ServerThread], backends: list[Backend]
+) -> None:
+    """The probe as run: a real ``prefixflight serve --model tiny`` process, stopped with
+    SIGSTOP while requests go to it. The router's health checks mark it down, its waiting
+    requests move to the other backend, and it is marked up once it runs again."""
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(
+        str(root / d) for d in ("core", "specs", "backends", "serve")
+    )
+    cmd = [sys.executable, "-m", "prefixflight.cli", "serve", "--model", "tiny", "--port", "0"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
+    stopped = False
+    try:
+        assert proc.stderr is not None
+        line = proc.stderr.readline()
+        found = re.search(r"on (http://127\.0\.0\.1:\d+)", line)
+        assert found, line
+        url = found[1]
+        router = start_router(
+            [url, backends[0].url],
+            policy="round_robin",
+            health_interval_s=0.5,
+            health_timeout_s=0.5,
+            health_failures=2,
+        )
+        state = router_state(router)
+        os.kill(proc.pid, signal.SIGSTOP)
+        stopped = True
+        started = time.monotonic()
+
+        async def four() -> list[Any]:
+            async with httpx.AsyncClient(timeout=60) as c:
+                url = router.base_url + "/v1/completions"
+                return list(
+                    await asyncio.gather(
+                        *(
+                            c.post(
+                                url, json={"model": MODEL_NAME, "prompt": prompt(), "max_tokens": 1}
+                            )
+                            for _ in range(4)
+                        )
+                    )
+                )
+
+        answers = asyncio.run(four())
+        assert [a.status_code for a in answers] == [200] * 4, [a.text for a in answers]
+        assert time.monotonic() - started < 10  # the stop would have held two for 15 s
+        assert state.up[url] is False
+        os.kill(proc.pid, signal.SIGCONT)
+        stopped = False
+        until(lambda: state.up[url], "the backend to be marked up again")
+    finally:
+        if stopped:
+            os.kill(proc.pid, signal.SIGCONT)
+        proc.terminate()
+        proc.wait(timeout=30)
+        if proc.stderr is not None:
+            proc.stderr.close()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import socket
 import sys
+from pathlib import Path
 from typing import Any
 
 from prefixflight.core import BurstConfig, ConfigError, UsageError
@@ -57,6 +58,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         action="append",
         metavar="ENDPOINT",
         help="with --kv-events: each backend's replay endpoint, in --backend order",
+    )
+    p.add_argument(
+        "--kv-events-topic",
+        action="append",
+        metavar="TOPIC",
+        help="with --kv-events: the topic each backend publishes under, in --backend order "
+        "(vLLM's kv-events-config topic); events under another are refused (default: the "
+        "first topic each backend uses)",
     )
     p.add_argument("--policy", choices=POLICIES, default="burst", help="the routing policy")
     p.add_argument(
@@ -131,7 +140,37 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         type=positive_float,
         default=600.0,
         metavar="S",
-        help="longest wait for a backend's answer or its next stream chunk",
+        help="longest wait for the next bytes of a backend's answer (a stream's next chunk)",
+    )
+    h.add_argument(
+        "--first-byte-timeout-s",
+        type=positive_float,
+        default=300.0,
+        metavar="S",
+        help="longest wait for a backend's answer to start (a non-streaming answer starts "
+        "when it is complete; default 300): then 504",
+    )
+    h.add_argument(
+        "--health-interval-s",
+        type=positive_float,
+        default=2.0,
+        metavar="S",
+        help="how often every backend's /health is probed (default 2)",
+    )
+    h.add_argument(
+        "--health-timeout-s",
+        type=positive_float,
+        default=2.0,
+        metavar="S",
+        help="a probe not answered 200 within S fails (default 2)",
+    )
+    h.add_argument(
+        "--health-failures",
+        type=at_least(1),
+        default=2,
+        metavar="N",
+        help="failed probes in a row that mark a backend down; requests whose answer has not "
+        "started move to another backend (default 2)",
     )
     h.add_argument(
         "--log-level",
@@ -158,6 +197,11 @@ def _per_backend(
 
 
 def _codec(path: str) -> Any:
+    if not Path(path).is_dir():
+        raise UsageError(
+            f"--tokenizer {path}: no such folder (give the folder of a Hugging Face tokenizer, "
+            "the backends' model)"
+        )
     try:
         from transformers import AutoTokenizer
     except ImportError as exc:
@@ -180,6 +224,13 @@ def run(args: argparse.Namespace) -> int:
     replay = _per_backend(parser, "--kv-events-replay", args.kv_events_replay, n)
     if args.kv_events is None and args.kv_events_replay is not None:
         parser.error("--kv-events-replay needs --kv-events")
+    if args.kv_events is None and args.kv_events_topic is not None:
+        parser.error("--kv-events-topic needs --kv-events")
+    topics = args.kv_events_topic or [None] * n
+    if len(topics) != n:
+        parser.error(
+            f"--kv-events-topic was given {len(topics)} times for {n} backends: give it once each"
+        )
     keys = api_keys(args)  # a bad keys file fails before anything starts
     try:
         from prefixflight.serve import route
@@ -191,8 +242,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = route.RouteConfig(
             backends=tuple(
-                route.Backend(url=url.rstrip("/").removesuffix("/v1"), kv_events=k, kv_replay=r)
-                for url, k, r in zip(args.backend, kv, replay, strict=True)
+                route.Backend(
+                    url=url.rstrip("/").removesuffix("/v1"), kv_events=k, kv_replay=r, kv_topic=t
+                )
+                for url, k, r, t in zip(args.backend, kv, replay, topics, strict=True)
             ),
             policy=args.policy,
             burst=BurstConfig(
@@ -212,6 +265,10 @@ def run(args: argparse.Namespace) -> int:
             keep_alive_timeout=args.keep_alive_timeout,
             shutdown_timeout=args.shutdown_timeout,
             timeout_s=args.timeout_s,
+            first_byte_timeout_s=args.first_byte_timeout_s,
+            health_interval_s=args.health_interval_s,
+            health_timeout_s=args.health_timeout_s,
+            health_failures=args.health_failures,
         )
     except ConfigError as exc:
         parser.error(str(exc))

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
-from typing import Any, Literal, Protocol, TypeAlias, final
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final, Literal, Protocol, TypeAlias, final
 
 from prefixflight.core import (
     BlockHash,
@@ -195,8 +195,9 @@ class RoutingState:
                 raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         self._policy: PolicyName = policy
         self._now = float("-inf")
-        self._route_hashers: dict[str, BlockHasher] = {}
-        self._engine_hashers: dict[str, BlockHasher] = {}
+        # per namespace (tenant, cache_salt), the most recently used kept
+        self._route_hashers: OrderedDict[str, BlockHasher] = OrderedDict()
+        self._engine_hashers: OrderedDict[str, BlockHasher] = OrderedDict()
         self._decided: OrderedDict[str, str] = OrderedDict()
         self._waiting: set[str] = set()
         self._max_decided = max_decided
@@ -240,13 +241,15 @@ class RoutingState:
     def route_request(self, request_id: str, request: Routable) -> RouteRequest:
         """The request as the core router sees it (route keys, partial block included)."""
         tokens = request.route_tokens()
-        hasher = self._route_hashers.get(request.namespace)
-        if hasher is None:
-            hasher = self._route_hashers[request.namespace] = BlockHasher(
+        hasher = _cached(
+            self._route_hashers,
+            request.namespace,
+            lambda: BlockHasher(
                 block_size=self._burst_config.block_size_tokens,
                 namespace=request.namespace,
                 include_partial=True,
-            )
+            ),
+        )
         return RouteRequest(
             request_id=request_id, blocks=hasher.hash_tokens(tokens), num_tokens=len(tokens)
         )
@@ -256,11 +259,11 @@ class RoutingState:
         a text prompt's engine blocks need the replica's tokenizer, so none)."""
         if not request.prompt_ids:
             return ()
-        hasher = self._engine_hashers.get(request.namespace)
-        if hasher is None:
-            hasher = self._engine_hashers[request.namespace] = BlockHasher(
-                block_size=self._engine_block_size, namespace=request.namespace
-            )
+        hasher = _cached(
+            self._engine_hashers,
+            request.namespace,
+            lambda: BlockHasher(block_size=self._engine_block_size, namespace=request.namespace),
+        )
         return hasher.hash_tokens(request.prompt_ids)
 
     def submit(
@@ -325,6 +328,24 @@ class RoutingState:
         while len(self._decided) > self._max_decided:  # decisions nobody consumed (cancelled)
             self._decided.popitem(last=False)
         return decisions
+
+
+MAX_HASHERS: Final = 1024
+"""Hashers kept per kind, one per namespace (a tenant and ``cache_salt``): a client sending
+a new salt with every request costs one hasher, dropped once 1,024 newer ones were used."""
+
+
+def _cached(
+    hashers: OrderedDict[str, BlockHasher], namespace: str, make: Callable[[], BlockHasher]
+) -> BlockHasher:
+    hasher = hashers.get(namespace)
+    if hasher is None:
+        hasher = hashers[namespace] = make()
+        while len(hashers) > MAX_HASHERS:
+            hashers.popitem(last=False)
+    else:
+        hashers.move_to_end(namespace)
+    return hasher
 
 
 _PLACEHOLDER = (ReplicaLoad(name="-"),)

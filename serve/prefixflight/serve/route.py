@@ -7,13 +7,17 @@ residency-first fallback; ``"prefix"``, the fallback alone; ``"round_robin"``), 
 to the chosen backend unchanged: the body as sent, the answer as received (server-sent events
 passed through chunk by chunk; a client that goes away closes the upstream request, which
 aborts it there). ``GET /v1/models`` and ``POST /tokenize`` / ``/detokenize`` go to a live
-backend; ``GET /health`` is 200 while one backend is up; ``GET /metrics`` is the router's own.
+backend; ``GET /health`` is 200 while one backend is up, with the backends' and the KV-event
+subscriber's state (503 while none is); ``GET /metrics`` is the router's own.
 
 Keys. With a tokenizer (``tokenizer=``: any `Codec`, e.g. ``HFCodec`` over the backends'
 Hugging Face tokenizer) a text prompt is keyed by its token ids, as the engines see them; a
 chat by its chat template's tokens; without one, by the text's UTF-8 bytes (the burst window
 groups identical and prefix-sharing prompts all the same; residency lookups then need token-id
-prompts). ``cache_salt`` names the tenant: its keys are its own.
+prompts). ``cache_salt`` names the tenant: its keys are its own. Behind API keys, the key's
+tenant is written into the relayed ``cache_salt`` (`tenant_salt`), which vLLM and
+``prefixflight serve`` hash into a prompt's blocks: tenants never share cached blocks on a
+backend, whatever salt a client sends.
 
 Residency comes from the backends' KV events (a `KVEventSubscriber` connecting to each
 backend's publisher; vLLM binds ``tcp://*:PORT``): the subscriber rebuilds each stored block's
@@ -24,9 +28,10 @@ which assumes a backend caches what it was sent.
 
 Loads: the requests this router has in flight per backend (as running and as waiting: a
 residency-first choice stays within 4 in-flight requests of the least loaded backend, and the
-approximate scorer's queue score balances cold prompts). A backend that refuses a
-connection is marked down (a request not yet sent goes to another one) and probed on
-``/health`` until it answers.
+approximate scorer's queue score balances cold prompts). Every backend's ``/health`` is
+probed each ``health_interval_s``: one that fails ``health_failures`` probes in a row, or
+refuses a connection, is marked down (a request whose answer has not started goes to another
+backend) until a probe succeeds.
 """
 
 from __future__ import annotations
@@ -76,6 +81,7 @@ __all__ = [
     "route_prompt",
     "route_server",
     "serve",
+    "tenant_salt",
 ]
 
 MIB: Final = 1 << 20
@@ -114,15 +120,24 @@ def _endpoint(_i: object, attribute: attrs.Attribute[Any], value: str | None) ->
 class Backend:
     """One engine: its base URL (``http://host:port``, named by it in metrics and loads) and,
     optionally, where it publishes KV events (``kv_events``, a ZMQ endpoint to connect to)
-    and serves their replays (``kv_replay``)."""
+    and serves their replays (``kv_replay``), and the topic it publishes them under
+    (``kv_topic``: events under any other are refused; ``None``: the first topic it uses)."""
 
     url: str = attrs.field(validator=_url)
     kv_events: str | None = attrs.field(default=None, validator=_endpoint)
     kv_replay: str | None = attrs.field(default=None, validator=_endpoint)
+    kv_topic: str | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.kv_replay is not None and self.kv_events is None:
             raise ConfigError(f"backend {self.url}: a replay endpoint needs a KV-event endpoint")
+        if self.kv_topic is not None and (
+            not isinstance(self.kv_topic, str) or self.kv_events is None
+        ):
+            raise ConfigError(
+                f"backend {self.url}: kv_topic must be a str, with a KV-event endpoint; got "
+                f"{self.kv_topic!r}"
+            )
 
 
 def _backends(value: Sequence[Backend]) -> tuple[Backend, ...]:
@@ -177,8 +192,15 @@ class RouteConfig:
     - ``burst``: the window (`BurstConfig`; route keys of ``block_size_tokens``).
     - ``engine_block_size``: the backends' KV block size (residency keys).
     - ``max_in_flight``: requests relayed at once; past it, 429 with ``Retry-After``.
-    - ``timeout_s``: the longest wait for a backend's answer (or its next stream chunk).
-    - ``health_interval_s``: how often a backend marked down is probed.
+    - ``timeout_s``: the longest wait for the next bytes of a backend's answer (a stream's
+      next chunk).
+    - ``first_byte_timeout_s``: the longest wait for a backend's answer to start (its
+      status and headers; a non-streaming answer starts when it is complete): 504 past it.
+    - Active health checks (as sglang-router's and vllm-router's): every
+      ``health_interval_s`` each backend's ``GET /health`` is probed, with
+      ``health_timeout_s``; ``health_failures`` failures in a row mark it down (no new
+      requests; requests still waiting for its answer to start go to another backend), and
+      one success marks it up. A refused connection marks it down at once.
     - The limits of ``prefixflight serve`` (``prefixflight.serve._limits``, the same
       middlewares): ``api_keys`` (key -> tenant or None; empty: no keys), ``max_body_bytes``
       (413 past it), ``client_timeout`` (a client silent that long while it sends its
@@ -197,7 +219,12 @@ class RouteConfig:
     keep_alive_timeout: float = attrs.field(default=5.0, validator=_positive("keep_alive_timeout"))
     shutdown_timeout: float = attrs.field(default=5.0, validator=_non_negative("shutdown_timeout"))
     timeout_s: float = attrs.field(default=600.0, validator=_positive("timeout_s"))
+    first_byte_timeout_s: float = attrs.field(
+        default=300.0, validator=_positive("first_byte_timeout_s")
+    )
     health_interval_s: float = attrs.field(default=2.0, validator=_positive("health_interval_s"))
+    health_timeout_s: float = attrs.field(default=2.0, validator=_positive("health_timeout_s"))
+    health_failures: int = attrs.field(default=2, validator=_at_least_one("health_failures"))
     seed: int | None = 0
 
     def __attrs_post_init__(self) -> None:
@@ -233,17 +260,57 @@ def _messages_text(messages: Sequence[Mapping[str, Any]]) -> str:
     return json.dumps([[m.get("role"), m.get("content")] for m in messages], separators=(",", ":"))
 
 
+def tenant_salt(body: Mapping[str, Any], tenant: str | None) -> str | None:
+    """The ``cache_salt`` relayed for a request authenticated by an API key whose tenant is
+    ``tenant`` (``None``: a key without one): ``[tenant, the client's cache_salt]`` as JSON,
+    so a backend (vLLM, ``prefixflight serve``) keeps each tenant's cached blocks apart
+    without a keys file of its own, and no client's salt can equal another tenant's. A
+    request with neither keeps no salt (the shared namespace). Raises `HttpError` (400) for
+    a ``cache_salt`` that is not a non-empty string."""
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise HttpError(
+            400, f"cache_salt must be a non-empty string, got {salt!r}", param="cache_salt"
+        )
+    _unicode(salt, "cache_salt")
+    if tenant is None and salt is None:
+        return None
+    return json.dumps([tenant, salt])
+
+
+def _unicode(text: object, param: str) -> None:
+    """400 for a string that is not valid Unicode text (a lone surrogate, from JSON's
+    ``"\\ud800"``), naming the character and where it is."""
+    if not isinstance(text, str):
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = text[exc.start : exc.end]
+        raise HttpError(
+            400,
+            f"{param} is not valid Unicode: {bad!r} at index {exc.start} is a lone surrogate",
+            param=param,
+        ) from None
+
+
 async def route_prompt(
-    endpoint: str, body: Mapping[str, Any], codec: Codec | None, *, tenant: str | None = None
+    endpoint: str,
+    body: Mapping[str, Any],
+    codec: Codec | None,
+    *,
+    tenant: str | None = None,
+    keyed: bool = False,
 ) -> RoutePrompt:
     """The `RoutePrompt` of a completions (``prompt``) or chat (``messages``) body; a batch
     prompt is keyed by its first entry. Raises `HttpError` (400) naming a malformed field;
     other fields are the backend's to check. Tokenizing runs in a worker thread. The
-    namespace is the ``tenant`` (an API key's, from a keys file) and the ``cache_salt``."""
-    salt = body.get("cache_salt")
-    if salt is not None and not isinstance(salt, str):
-        raise HttpError(400, f"cache_salt must be a string, got {salt!r}", param="cache_salt")
-    namespace = (salt or "") if tenant is None else json.dumps([tenant, salt])
+    namespace is the ``cache_salt``; behind API keys (``keyed``, or a ``tenant`` given), the
+    salt `tenant_salt` relays, which the key's tenant prefixes."""
+    if keyed or tenant is not None:
+        namespace = tenant_salt(body, tenant) or ""
+    else:
+        namespace = "" if tenant_salt(body, None) is None else str(body["cache_salt"])
     if endpoint == "chat":
         messages = body.get("messages")
         if (
@@ -269,6 +336,7 @@ async def route_prompt(
         raise HttpError(
             400, "prompt must be a non-empty string or list of token ids", param="prompt"
         )
+    _unicode(prompt, "prompt")
     if codec is None:
         return RoutePrompt(None, prompt, namespace)
     return RoutePrompt(tuple(await _off_loop(codec.encode, prompt)), prompt, namespace)
@@ -323,8 +391,10 @@ class _Metrics:
         )
         self.errors = Counter(
             "prefixflight_route_upstream_errors",
-            "Requests a backend could not answer (connect, timeout, broken stream), and requests "
-            "sent again because a kept connection had been dropped (stale_connection).",
+            "Requests a backend could not answer (connect, timeout, first_byte_timeout, "
+            "transport, stream), requests sent again because a kept connection had been "
+            "dropped (stale_connection) or moved to another backend because theirs was marked "
+            "down before it answered (moved), and failed health probes (health).",
             ["backend", "kind"],
             registry=r,
         )
@@ -347,8 +417,39 @@ class _Metrics:
             ["backend"],
             registry=r,
         )
+        self.kv_errors = Counter(
+            "prefixflight_route_kv_errors",
+            "KV-event messages skipped, per backend and kind (frame, decode, seq, topic, apply, "
+            "replay_timeout, replay_bound, internal; docs/kv-events.md).",
+            ["backend", "kind"],
+            registry=r,
+        )
+        self.kv_up = Gauge(
+            "prefixflight_route_kv_subscriber_up",
+            "1 while the KV-event subscriber's thread runs (goes round its loop).",
+            registry=r,
+        )
+        self.kv_lag = Gauge(
+            "prefixflight_route_kv_seq_lag",
+            "Live KV-event batches seen and not yet applied, per backend.",
+            ["backend"],
+            registry=r,
+        )
+        self.kv_age = Gauge(
+            "prefixflight_route_kv_last_batch_age_seconds",
+            "Seconds since a backend's last KV-event batch was applied (-1 before the first).",
+            ["backend"],
+            registry=r,
+        )
+        self.kv_evicted = Gauge(
+            "prefixflight_route_kv_evicted_blocks",
+            "Blocks the KV-event index forgot to stay within its cap, per backend.",
+            ["backend"],
+            registry=r,
+        )
+        self.kv_seen: dict[tuple[str, str], int] = {}  # error counts already added
         for b in backends:
-            self.up.labels(b).set(1)
+            self.up.labels(b).set(0)
             self.in_flight.labels(b).set(0)
 
 
@@ -368,7 +469,9 @@ class _Router:
             seed=config.seed,
         )
         self.in_flight = dict.fromkeys(self.names, 0)
-        self.up = dict.fromkeys(self.names, True)
+        self.up = dict.fromkeys(self.names, False)  # until a health probe answers
+        self.failures = dict.fromkeys(self.names, 0)  # failed probes in a row
+        self.went_down = {n: asyncio.Event() for n in self.names}  # set while down
         self.total_in_flight = 0
         self.draining = False
         self.idle: asyncio.Event | None = None  # set when the last relayed request ends
@@ -449,6 +552,11 @@ class _Router:
     def mark(self, name: str, up: bool) -> None:
         self.up[name] = up
         self.metrics.up.labels(name).set(1 if up else 0)
+        if up:
+            self.failures[name] = 0
+            self.went_down[name].clear()
+        else:
+            self.went_down[name].set()
 
     def count(self, name: str, delta: int) -> None:
         self.in_flight[name] += delta
@@ -481,12 +589,24 @@ class _Router:
     async def relay(
         self, endpoint: str, path: str, request: Request, body: bytes, first: str
     ) -> Response:
-        """Send to ``first`` (another backend if it refuses the connection) and relay."""
+        """Send to ``first`` and relay its answer. A request goes to another backend when
+        ``first`` refuses the connection, or is marked down (a failed health check) before
+        its answer starts; its answer must start within ``first_byte_timeout_s``."""
         name = first
-        for _attempt in range(len(self.names)):
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.first_byte_timeout_s
+        for _attempt in range(2 * len(self.names)):
             self.count(name, +1)
             try:
-                upstream = await self.send(name, "POST", path, request, body)
+                upstream = await self.started(name, path, request, body, deadline)
+            except _Moved:
+                self.count(name, -1)
+                self.metrics.errors.labels(name, "moved").inc()
+                other = self.least_loaded(excluding=name)
+                if other is None:
+                    break
+                name = other
+                continue
             except aiohttp.ClientConnectorError:
                 self.count(name, -1)
                 self.metrics.errors.labels(name, "connect").inc()
@@ -496,6 +616,15 @@ class _Router:
                     break
                 name = other
                 continue
+            except _FirstByteTimeout:
+                self.count(name, -1)
+                self.metrics.errors.labels(name, "first_byte_timeout").inc()
+                raise HttpError(
+                    504,
+                    f"backend {name} did not start its answer within "
+                    f"{self.config.first_byte_timeout_s:g} s",
+                    "timeout",
+                ) from None
             except asyncio.TimeoutError:
                 self.count(name, -1)
                 self.metrics.errors.labels(name, "timeout").inc()
@@ -504,9 +633,47 @@ class _Router:
                 self.count(name, -1)
                 self.metrics.errors.labels(name, "transport").inc()
                 raise HttpError(502, f"backend {name} failed: {exc}", "bad_gateway") from None
+            except BaseException:
+                self.count(name, -1)
+                raise
             self.metrics.requests.labels(name, endpoint).inc()
             return await self.answer(name, upstream)
         raise HttpError(503, "no backend is up", "service_unavailable")
+
+    async def started(
+        self, name: str, path: str, request: Request, body: bytes, deadline: float
+    ) -> aiohttp.ClientResponse:
+        """`send`, until the answer starts; raises `_Moved` if ``name`` is marked down
+        first while another backend is up, `_FirstByteTimeout` past ``deadline``. (The send
+        runs in this task, cancelled by a watcher: the answer is read as soon as it comes.)"""
+        task = asyncio.current_task()
+        assert task is not None
+        loop = asyncio.get_running_loop()
+        why: list[type[Exception]] = []
+
+        def stop(reason: type[Exception]) -> None:
+            if not why:
+                why.append(reason)
+                task.cancel()
+
+        async def watch() -> None:
+            await self.went_down[name].wait()
+            if self.least_loaded(excluding=name) is not None:
+                stop(_Moved)
+
+        watcher = asyncio.ensure_future(watch())
+        timer = loop.call_at(deadline, stop, _FirstByteTimeout)
+        try:
+            return await self.send(name, "POST", path, request, body)
+        except asyncio.CancelledError:
+            if not why:
+                raise
+            if hasattr(task, "uncancel"):
+                task.uncancel()
+            raise why[0]() from None
+        finally:
+            timer.cancel()
+            watcher.cancel()
 
     async def answer(self, name: str, upstream: aiohttp.ClientResponse) -> Response:
         media = upstream.headers.get("content-type", "")
@@ -535,21 +702,96 @@ class _Router:
 
     # -- health ---------------------------------------------------------------------------
     async def watch_health(self) -> None:
-        assert self.client is not None
+        """Probe every backend each ``health_interval_s`` (the first round is the app's
+        start-up's)."""
         while True:
             await asyncio.sleep(self.config.health_interval_s)
-            for name in [n for n in self.names if not self.up[n]]:
-                with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
-                    async with self.client.get(name + "/health", timeout=_PROBE) as answer:
-                        if answer.status == 200:
-                            self.mark(name, True)
+            await self.probe_all()
+
+    async def probe_all(self) -> None:
+        await asyncio.gather(*(self.probe(n) for n in self.names))
+
+    async def probe(self, name: str) -> None:
+        """``GET /health`` of ``name`` on a connection of its own: 200 marks it up;
+        ``health_failures`` failures in a row (another status, no answer within
+        ``health_timeout_s``, a refused connection) mark it down."""
+        assert self.fresh_client is not None
+        timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
+        ok = False
+        with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+            async with self.fresh_client.get(name + "/health", timeout=timeout) as answer:
+                ok = answer.status == 200
+        if ok:
+            if not self.up[name]:
+                self.mark(name, True)
+            self.failures[name] = 0
+            return
+        self.metrics.errors.labels(name, "health").inc()
+        self.failures[name] += 1
+        if self.up[name] and self.failures[name] >= self.config.health_failures:
+            self.mark(name, False)
+
+    def health(self) -> dict[str, Any]:
+        """``/health``'s body: the backends' state and the KV-event subscriber's."""
+        sub = self.subscriber
+        out: dict[str, Any] = {
+            "status": "ok",
+            "backends": {
+                n: {
+                    "up": self.up[n],
+                    "in_flight": self.in_flight[n],
+                    "failed_probes": self.failures[n],
+                }
+                for n in self.names
+            },
+        }
+        if sub is not None:
+            alive = bool(sub.alive)
+            replicas = {
+                n: {
+                    "next_seq": st.next_seq,
+                    "lag": st.lag,
+                    "last_batch_age_s": (
+                        None if st.last_batch_age_s is None else round(st.last_batch_age_s, 3)
+                    ),
+                    "blocks": st.blocks,
+                    "lost": st.lost,
+                    "restarts": st.restarts,
+                    "reconnections": st.reconnections,
+                    "errors": dict(st.errors),
+                }
+                for n, st in sub.status().items()
+            }
+            out["kv_events"] = {"alive": alive, "backends": replicas}
+            if not alive:
+                out["status"] = "degraded"  # routing goes on without residency
+        return out
 
     def scrape(self) -> bytes:
         sub = self.subscriber
+        m = self.metrics
         if sub is not None:
-            for name in self.names:
-                self.metrics.kv_blocks.labels(name).set(len(sub.index.replica(name)))
-        return bytes(generate_latest(self.metrics.registry))
+            m.kv_up.set(1 if sub.alive else 0)
+            for name, st in sub.status().items():
+                m.kv_blocks.labels(name).set(st.blocks)
+                m.kv_lag.labels(name).set(st.lag)
+                age = st.last_batch_age_s
+                m.kv_age.labels(name).set(-1 if age is None else age)
+                m.kv_evicted.labels(name).set(sub.index.replica(name).stats.evicted)
+            for key, n in sub.error_counts().items():
+                added = n - m.kv_seen.get(key, 0)
+                if added > 0:
+                    m.kv_errors.labels(*key).inc(added)
+                    m.kv_seen[key] = n
+        return bytes(generate_latest(m.registry))
+
+
+class _Moved(Exception):
+    """The backend was marked down before its answer started: try another."""
+
+
+class _FirstByteTimeout(Exception):
+    """The backend's answer did not start within ``first_byte_timeout_s``."""
 
 
 class _Relay(Response):
@@ -635,7 +877,7 @@ def build_route_app(
         from .kv_events import KVEventSubscriber, PublisherAddress
 
         subscriber = KVEventSubscriber(
-            {b.url: PublisherAddress(str(b.kv_events), b.kv_replay) for b in kv},
+            {b.url: PublisherAddress(str(b.kv_events), b.kv_replay, topic=b.kv_topic) for b in kv},
             hasher=BlockHasher(block_size=config.engine_block_size),
         )
         index = subscriber.index
@@ -655,6 +897,7 @@ def build_route_app(
         )
         if subscriber is not None:
             subscriber.start()
+        await router.probe_all()  # /health and routing start from the backends' real state
         router.health_task = asyncio.ensure_future(router.watch_health())
         try:
             yield
@@ -694,9 +937,17 @@ def build_route_app(
 
     @app.get("/health")
     async def health() -> Response:
+        """200 with the backends' and the KV-event subscriber's state while a backend is up
+        (``status``: ``"ok"``, or ``"degraded"`` while the subscriber's thread is not
+        running); 503 when none is, or while shutting down."""
+        if router.draining:
+            raise HttpError(503, "the router is shutting down", "service_unavailable")
         if not any(router.up.values()):
-            raise HttpError(503, "no backend is up", "service_unavailable")
-        return Response(status_code=200)
+            down = ", ".join(router.names)
+            raise HttpError(
+                503, f"no backend is up (none answered /health: {down})", "service_unavailable"
+            )
+        return JSONResponse(router.health())
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -750,7 +1001,15 @@ def build_route_app(
                 headers={"Retry-After": "1"},
             )
         tenant = getattr(request.state, "tenant", None)  # set by ApiKeys with a keys file
-        prompt = await route_prompt(endpoint, parsed, router.codec, tenant=tenant)
+        keyed = bool(config.api_keys)
+        prompt = await route_prompt(endpoint, parsed, router.codec, tenant=tenant, keyed=keyed)
+        if keyed:  # the backend keeps tenants apart by the salt (see tenant_salt)
+            salt = tenant_salt(parsed, tenant)
+            if salt is None:
+                parsed.pop("cache_salt", None)
+            else:
+                parsed["cache_salt"] = salt
+            body = json.dumps(parsed).encode()
         rid = uuid.uuid4().hex
         name = await router.choose(rid, prompt)
         return await router.relay(endpoint, path, request, body, name)

@@ -16,9 +16,15 @@ describes the wire, the endpoints and what the events reveal.
 """
 
 from ._endpoints import offset_endpoint
-from ._index import ClusterBlockIndex, IndexStats, ReplicaBlockIndex, ReplicaFeed
+from ._index import (
+    DEFAULT_MAX_BLOCKS,
+    ClusterBlockIndex,
+    IndexStats,
+    ReplicaBlockIndex,
+    ReplicaFeed,
+)
 from ._publisher import KVEventPublisher
-from ._subscriber import KVEventSubscriber, PublisherAddress
+from ._subscriber import ErrorKind, KVEventSubscriber, PublisherAddress, ReplicaStatus
 from ._wire import (
     END_SEQ,
     HashEncoding,
@@ -42,8 +48,10 @@ from ._wire import (
 )
 
 __all__ = [
+    "DEFAULT_MAX_BLOCKS",
     "END_SEQ",
     "ClusterBlockIndex",
+    "ErrorKind",
     "HashEncoding",
     "IndexStats",
     "KVEventFormatError",
@@ -52,6 +60,7 @@ __all__ = [
     "PublisherAddress",
     "ReplicaBlockIndex",
     "ReplicaFeed",
+    "ReplicaStatus",
     "WireAllBlocksCleared",
     "WireBatch",
     "WireBlockRemoved",

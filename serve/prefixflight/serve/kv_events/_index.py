@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from typing import final
+from typing import Final, final
 
 import attrs
 
@@ -36,7 +36,18 @@ from ._wire import (
     fold_hash,
 )
 
-__all__ = ["ClusterBlockIndex", "IndexStats", "ReplicaBlockIndex", "ReplicaFeed"]
+__all__ = [
+    "DEFAULT_MAX_BLOCKS",
+    "ClusterBlockIndex",
+    "IndexStats",
+    "ReplicaBlockIndex",
+    "ReplicaFeed",
+]
+
+DEFAULT_MAX_BLOCKS: Final = 1 << 18
+"""The resident blocks one replica's index holds at most by default, 262,144 (about 130 MB
+when full, rebuilding keys from tokens): more than a GPU's KV cache holds (an 8B model on an
+80 GB GPU, about 30,000 blocks of 16 tokens)."""
 
 _DEFAULT_MEDIUM = "GPU"  # vLLM events before the ``medium`` field described the GPU cache
 
@@ -48,7 +59,8 @@ class IndexStats:
     ``unresolved``: stored blocks it could not key (rebuilding from tokens, with an unknown
     parent, a block size other than the hasher's, no tokens, or extra keys the publisher
     hashed in: a LoRA name, multimodal keys, a cache salt); ``unknown_removed``: removed
-    hashes it did not hold.
+    hashes it did not hold; ``evicted``: resident blocks forgotten, oldest first, to stay
+    within the index's ``max_blocks``.
     """
 
     stored: int = 0
@@ -56,6 +68,7 @@ class IndexStats:
     cleared: int = 0
     unresolved: int = 0
     unknown_removed: int = 0
+    evicted: int = 0
 
 
 @final
@@ -65,12 +78,30 @@ class ReplicaBlockIndex:
     A block is resident while some medium (``"GPU"``, ``"CPU"``) holds it; a removal names
     its medium. ``ghost_capacity`` bounds how many removed blocks' rebuilt keys are
     remembered, so a block stored after its parent was evicted can still be keyed.
+    ``max_blocks`` bounds the resident blocks held: past it the blocks stored first are
+    forgotten (counted as ``evicted``; a forgotten block only costs a routing hint), so a
+    publisher that stores without end, or one event of a million blocks, cannot grow the
+    index past it.
     """
 
-    __slots__ = ("_ghost_capacity", "_ghosts", "_hasher", "_keys", "_name", "_stats", "_tiers")
+    __slots__ = (
+        "_ghost_capacity",
+        "_ghosts",
+        "_hasher",
+        "_keys",
+        "_max_blocks",
+        "_name",
+        "_stats",
+        "_tiers",
+    )
 
     def __init__(
-        self, name: str, *, hasher: BlockHasher | None = None, ghost_capacity: int = 65536
+        self,
+        name: str,
+        *,
+        hasher: BlockHasher | None = None,
+        ghost_capacity: int = 65536,
+        max_blocks: int = DEFAULT_MAX_BLOCKS,
     ) -> None:
         if not isinstance(name, str) or not name:
             raise UsageError(f"replica name must be a non-empty str, got {name!r}")
@@ -80,6 +111,9 @@ class ReplicaBlockIndex:
             raise UsageError(f"ghost_capacity must be an int >= 0, got {ghost_capacity!r}")
         if ghost_capacity < 0:
             raise UsageError(f"ghost_capacity must be an int >= 0, got {ghost_capacity!r}")
+        if isinstance(max_blocks, bool) or not isinstance(max_blocks, int) or max_blocks < 1:
+            raise UsageError(f"max_blocks must be an int >= 1, got {max_blocks!r}")
+        self._max_blocks = max_blocks
         self._name = name
         self._hasher = hasher
         self._ghost_capacity = ghost_capacity
@@ -99,6 +133,10 @@ class ReplicaBlockIndex:
     @property
     def stats(self) -> IndexStats:
         return self._stats
+
+    @property
+    def max_blocks(self) -> int:
+        return self._max_blocks
 
     def __len__(self) -> int:
         return len(self._tiers)
@@ -160,6 +198,7 @@ class ReplicaBlockIndex:
             for key in engine:
                 self._tiers.setdefault(key, set()).add(medium)
             self._count(stored=len(engine))
+            self._bound()
             return
         ours = self._rebuild(event, hasher)
         if ours is None:
@@ -170,6 +209,26 @@ class ReplicaBlockIndex:
             self._keys[e] = o
             self._tiers.setdefault(fold_hash(o), set()).add(medium)
         self._count(stored=len(engine))
+        self._bound()
+
+    def _bound(self) -> None:
+        """Forget the blocks stored first until at most ``max_blocks`` are held."""
+        over = len(self._tiers) - self._max_blocks
+        if over <= 0:
+            return
+        evicted = 0
+        keys, tiers = self._keys, self._tiers
+        while len(tiers) > self._max_blocks:
+            if keys:  # rebuilt keys: forget the engine's oldest block and its key
+                engine = next(iter(keys))
+                ours = keys.pop(engine)
+                if tiers.pop(fold_hash(ours), None) is not None:
+                    evicted += 1
+                    self._ghost(engine, ours)
+            else:
+                del tiers[next(iter(tiers))]
+                evicted += 1
+        self._stats = attrs.evolve(self._stats, evicted=self._stats.evicted + evicted)
 
     def _rebuild(
         self, event: WireBlockStored, hasher: BlockHasher
@@ -231,6 +290,7 @@ class ReplicaBlockIndex:
             cleared=s.cleared,
             unresolved=s.unresolved + unresolved,
             unknown_removed=s.unknown_removed + unknown_removed,
+            evicted=s.evicted,
         )
 
 
@@ -243,20 +303,32 @@ class ClusterBlockIndex:
     scores replicas by what their KV events say they hold.
     """
 
-    __slots__ = ("_ghost_capacity", "_hasher", "_replicas")
+    __slots__ = ("_ghost_capacity", "_hasher", "_max_blocks", "_replicas")
 
-    def __init__(self, *, hasher: BlockHasher | None = None, ghost_capacity: int = 65536) -> None:
+    def __init__(
+        self,
+        *,
+        hasher: BlockHasher | None = None,
+        ghost_capacity: int = 65536,
+        max_blocks: int = DEFAULT_MAX_BLOCKS,
+    ) -> None:
         self._hasher = hasher
         self._ghost_capacity = ghost_capacity
+        self._max_blocks = max_blocks
         self._replicas: dict[str, ReplicaBlockIndex] = {}
-        ReplicaBlockIndex("probe", hasher=hasher, ghost_capacity=ghost_capacity)  # validate
+        ReplicaBlockIndex(  # validate
+            "probe", hasher=hasher, ghost_capacity=ghost_capacity, max_blocks=max_blocks
+        )
 
     def replica(self, name: str) -> ReplicaBlockIndex:
         """``name``'s index (an empty one the first time)."""
         index = self._replicas.get(name)
         if index is None:
             index = ReplicaBlockIndex(
-                name, hasher=self._hasher, ghost_capacity=self._ghost_capacity
+                name,
+                hasher=self._hasher,
+                ghost_capacity=self._ghost_capacity,
+                max_blocks=self._max_blocks,
             )
             self._replicas[name] = index
         return index
@@ -316,6 +388,11 @@ class ReplicaFeed:
     @property
     def restarts(self) -> int:
         return self._restarts
+
+    @property
+    def last_live(self) -> int | None:
+        """The number of the last live batch seen (``None`` before the first)."""
+        return self._last_live
 
     def observe_live(self, seq: int) -> int | None:
         """Note live batch ``seq``; return the first missing number if there is a gap."""

@@ -352,8 +352,20 @@ def decode_batch(payload: bytes) -> WireBatch:
     """A `WireBatch` from msgpack bytes in any of vLLM's forms (see the module docstring).
 
     Raises `KVEventFormatError` naming the offending field (``batch.events[2].block_size:
-    Expected `int` >= 1``).
+    Expected `int` >= 1``), and for anything else msgpack or the schema refuses (truncated or
+    trailing bytes, nesting too deep to decode).
     """
+    try:
+        return _decode(payload)
+    except KVEventFormatError:
+        raise
+    except msgspec.MsgspecError as exc:
+        raise KVEventFormatError(f"payload is not a KV-event batch: {exc}") from None
+    except RecursionError:
+        raise KVEventFormatError("payload is nested too deeply to decode") from None
+
+
+def _decode(payload: bytes) -> WireBatch:
     try:
         return _decode_map(payload)
     except msgspec.ValidationError:
