@@ -15,9 +15,8 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from prefixflight.core import UsageError
-
 from ._args import at_least, output_file
+from ._extras import missing_extra
 from ._io import write_atomic, write_stdout
 from ._progress import progress
 
@@ -196,10 +195,7 @@ def backend() -> ModuleType:
         import prefixflight.backends.torch  # noqa: F401  (a clear error if the extra is missing)
         from prefixflight.cli import _bench
     except ImportError as exc:
-        raise UsageError(
-            f"this command needs the torch backend ({exc}); install it with "
-            "`pip install torch==2.13.0 'prefixflight[torch]'`"
-        ) from None
+        raise missing_extra("this command", "torch", exc) from None
     return _bench
 
 

@@ -21,6 +21,7 @@ from typing import Any
 from prefixflight.core import UsageError
 
 from ._args import at_least, output_file
+from ._extras import missing_extra
 from ._io import write_atomic, write_stdout
 
 __all__ = ["format_report", "register", "run"]
@@ -103,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         from prefixflight.specs import _conform
     except ImportError as exc:
-        parser.error(f"needs the specs extra (pip install 'prefixflight[specs]'): {exc}")
+        parser.error(str(missing_extra("`prefixflight conform`", "specs", exc)))
     try:
         impl = _conform.load_class(args.impl) if args.impl else None
         report = _conform.conform(

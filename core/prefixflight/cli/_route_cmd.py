@@ -17,6 +17,7 @@ from typing import Any
 from prefixflight.core import BurstConfig, ConfigError, UsageError
 
 from ._args import at_least, port, positive_float
+from ._extras import missing_extra
 from ._serve_cmd import add_access_arguments, api_keys
 
 __all__ = ["register", "run"]
@@ -184,10 +185,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         from prefixflight.serve import route
     except ImportError as exc:
-        raise UsageError(
-            f"`prefixflight route` needs the serve extra ({exc}); install it with "
-            "`pip install 'prefixflight[serve]'`"
-        ) from None
+        raise missing_extra("`prefixflight route`", "serve", exc) from None
     try:
         config = route.RouteConfig(
             backends=tuple(

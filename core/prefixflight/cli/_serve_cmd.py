@@ -23,6 +23,7 @@ from prefixflight.core import ReleasePolicy, UsageError
 
 from ._args import at_least, non_negative_float, port, positive_float
 from ._bench_cmd import prepare_torch_process
+from ._extras import missing_extra
 from ._serve_ray_cmd import add_ray_arguments, run_ray
 
 T = TypeVar("T")
@@ -328,17 +329,11 @@ def _imports() -> tuple[Any, Any]:
     try:
         from prefixflight.serve import http
     except ImportError as exc:
-        raise UsageError(
-            f"`prefixflight serve` needs the serve extra ({exc}); install it with "
-            "`pip install 'prefixflight[serve]'`"
-        ) from None
+        raise missing_extra("`prefixflight serve`", "serve", exc) from None
     try:
         from prefixflight.backends import torch as backend
     except ImportError as exc:
-        raise UsageError(
-            f"`prefixflight serve` needs the torch backend ({exc}); install it with "
-            "`pip install torch==2.13.0 'prefixflight[torch]'`"
-        ) from None
+        raise missing_extra("`prefixflight serve`", "torch", exc) from None
     return http, backend
 
 

@@ -18,6 +18,7 @@ from typing import Any
 from prefixflight.core import UsageError
 
 from ._args import at_least
+from ._extras import missing_extra
 
 __all__ = ["add_ray_arguments", "run_ray"]
 
@@ -87,8 +88,7 @@ def run_ray(args: argparse.Namespace) -> int:
     try:
         import ray.serve  # noqa: F401
     except ImportError as exc:  # pragma: no cover - depends on the install
-        msg = f"Ray Serve is not installed ({exc}): pip install 'prefixflight[ray]'"
-        raise UsageError(msg) from None
+        raise missing_extra("--replicas", "ray", exc) from None
     import asyncio
     import threading
 

@@ -19,6 +19,7 @@ from prefixflight.core import PrefixflightError, ReplayConfig, UsageError, repla
 from prefixflight.core.cache import CurvePoint, LRUCurve, auto_capacities
 
 from ._args import at_least, output_file, ratio, usage_errors
+from ._extras import missing_extra
 from ._io import atomic_path, read_trace, write_atomic, write_stdout
 from ._progress import progress
 
@@ -258,8 +259,8 @@ def plot(doc: dict[str, Any], path: str, *, block_size: int) -> None:
     """Token hit rate versus capacity, one line per policy, log-scaled capacity axis."""
     try:
         import matplotlib
-    except ImportError:
-        raise UsageError("--plot needs matplotlib: pip install 'prefixflight[plot]'") from None
+    except ImportError as exc:
+        raise missing_extra("--plot", "plot", exc) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
