@@ -21,6 +21,7 @@ from ._io import write_atomic, write_stdout
 from ._progress import progress
 
 __all__ = [
+    "add_dtype_argument",
     "backend",
     "emit",
     "measure_ttft",
@@ -53,12 +54,21 @@ def _experiments(value: str) -> tuple[str, ...]:
     return names
 
 
+def add_dtype_argument(p: argparse.ArgumentParser) -> None:
+    """``--dtype`` (``bench``, ``demo``, ``serve``); the default is the backend's
+    ``resolve_dtype``, which this help describes."""
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="bfloat16, float32 or float16 (default: bfloat16 on CUDA and on CPUs with native "
+        "bf16, AVX512-BF16 or AMX; float32 on other CPUs)",
+    )
+
+
 def add_model_options(p: argparse.ArgumentParser) -> None:
     """Options shared by ``bench ttft`` and ``demo``."""
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
-    p.add_argument(
-        "--dtype", default=None, help="float32 (the CPU default) or bfloat16 (the CUDA default)"
-    )
+    add_dtype_argument(p)
     p.add_argument(
         "--threads",
         type=at_least(1),
@@ -160,9 +170,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="decode batch sizes",
     )
     c.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
-    c.add_argument(
-        "--dtype", default=None, help="float32 (the CPU default) or bfloat16 (the CUDA default)"
-    )
+    add_dtype_argument(c)
     c.add_argument("--threads", type=at_least(1), default=2, metavar="N", help="torch CPU threads")
     c.add_argument(
         "--json", type=output_file, metavar="FILE", help="also write the report as JSON here"

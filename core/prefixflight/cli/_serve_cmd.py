@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 from prefixflight.core import ReleasePolicy, UsageError
 
 from ._args import at_least, non_negative_float, port, positive_float
-from ._bench_cmd import prepare_torch_process
+from ._bench_cmd import add_dtype_argument, prepare_torch_process
 from ._extras import missing_extra
 from ._serve_ray_cmd import add_ray_arguments, run_ray
 
@@ -159,11 +159,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="with --kv-events: the pod in the topic kv@POD@MODEL (default: this host's name)",
     )
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
-    p.add_argument(
-        "--dtype",
-        default=None,
-        help="bfloat16 (default on CUDA and on CPUs with native bf16) or float32 (elsewhere)",
-    )
+    add_dtype_argument(p)
     p.add_argument(
         "--threads",
         type=at_least(1),
