@@ -54,7 +54,7 @@ def _experiments(value: str) -> tuple[str, ...]:
     return names
 
 
-def add_dtype_argument(p: argparse.ArgumentParser) -> None:
+def add_dtype_argument(p: argparse._ActionsContainer) -> None:
     """``--dtype`` (``bench``, ``demo``, ``serve``); the default is the backend's
     ``resolve_dtype``, which this help describes."""
     p.add_argument(
