@@ -51,3 +51,10 @@ def test_the_readme_stays_library_sized() -> None:
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     assert len(text) <= 8000, len(text)
     assert "bash .ci/run" in text and ".venv/bin/prefixflight demo" in text
+
+
+def test_the_caches_the_tools_write_in_the_tree_are_ignored() -> None:
+    """Running the tests, the fuzzer or the linters leaves `git status` clean."""
+    ignored = (ROOT / ".gitignore").read_text(encoding="utf-8").splitlines()
+    caches = {".hypothesis/", ".schemathesis/", ".mypy_cache/", ".ruff_cache/", ".pytest_cache/"}
+    assert caches <= set(ignored)
