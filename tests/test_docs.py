@@ -87,3 +87,32 @@ def test_results_cited_by_the_docs_are_committed() -> None:
     assert cited, "no page cites a results file"
     missing = sorted(c for c in cited if not (ROOT / c).is_file())
     assert missing == []
+
+
+GUIDES = sorted(p for p in DOCS.glob("*.md") if p.name != "index.md")
+
+
+def test_every_docs_page_has_one_title_and_the_index_and_the_site_list_it() -> None:
+    for page in [DOCS / "index.md", *GUIDES]:
+        text = FENCE.sub("", page.read_text(encoding="utf-8"))  # a "# " in a fence is code
+        titles = re.findall(r"^# .+", text, re.MULTILINE)
+        assert text.startswith("# ") and len(titles) == 1, (page.name, titles)
+    index = (DOCS / "index.md").read_text(encoding="utf-8")
+    site = (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
+    for page in GUIDES:
+        assert f"]({page.name})" in index, f"docs/index.md does not link {page.name}"
+        assert re.search(rf":\s+{re.escape(page.name)}$", site, re.MULTILINE), page.name
+    assert re.search(r":\s+index\.md$", site, re.MULTILINE)
+
+
+def test_relative_links_of_the_docs_reach_a_file() -> None:
+    """mkdocs checks the links between its pages; this checks every page's links, those out
+    of docs/ (to benchmarks/, the README) included."""
+    broken = []
+    for page in [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *DOCS.glob("*.md")]:
+        text = FENCE.sub("", page.read_text(encoding="utf-8"))
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            path = target.split("#", 1)[0]
+            if path and not re.match(r"[a-z]+:", path) and not (page.parent / path).exists():
+                broken.append(f"{page.name}: {target}")
+    assert broken == []

@@ -58,3 +58,17 @@ def test_the_caches_the_tools_write_in_the_tree_are_ignored() -> None:
     ignored = (ROOT / ".gitignore").read_text(encoding="utf-8").splitlines()
     caches = {".hypothesis/", ".schemathesis/", ".mypy_cache/", ".ruff_cache/", ".pytest_cache/"}
     assert caches <= set(ignored)
+
+
+def test_the_design_page_names_every_extra_and_what_all_leaves_out() -> None:
+    project = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    block = project.split("[project.optional-dependencies]", 1)[1].split("\n[", 1)[0]
+    extras = re.findall(r"^([a-z]+) = \[", block, re.MULTILINE)
+    in_all = re.search(r'^all = \["prefixflight\[([a-z,]+)\]"\]', block, re.MULTILINE)
+    assert in_all and {"cli", "torch", "serve", "ray"} <= set(extras)
+    design = (ROOT / "docs/design.md").read_text(encoding="utf-8")
+    paragraph = design.split("Optional dependencies sit in extras", 1)[1].split("\n\n", 1)[0]
+    paragraph = " ".join(paragraph.split())
+    assert sorted(set(re.findall(r"`([a-z]+)`", paragraph))) == sorted(extras), paragraph
+    left_out = sorted(set(extras) - {"all", *in_all.group(1).split(",")})
+    assert f"every extra but {' and '.join(f'`{e}`' for e in left_out)}." in paragraph
