@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from prefixflight.core import ReleasePolicy, UsageError
 
@@ -340,6 +340,12 @@ def _imports() -> tuple[Any, Any]:
     return http, backend
 
 
+def _refuse(parser: argparse.ArgumentParser, flags: list[str], scope: str) -> NoReturn:
+    """The usage error for ``flags`` given where they do not apply: they apply only SCOPE."""
+    verb = "applies" if len(flags) == 1 else "apply"
+    parser.error(f"{', '.join(flags)} {verb} only {scope}")
+
+
 def run(args: argparse.Namespace) -> int:
     parser: argparse.ArgumentParser = args.parser
     if args.replicas is not None:
@@ -349,20 +355,19 @@ def run(args: argparse.Namespace) -> int:
             if dest not in (*RAY_DEFAULTS, *_NOT_HTTP_ONLY) and value != parser.get_default(dest)
         ]
         if single_server:
-            verb = "applies" if len(single_server) == 1 else "apply"
-            parser.error(
-                f"{', '.join(single_server)} {verb} only to the HTTP server, not with "
-                f"--replicas {args.replicas} (the replicas take --model and the Ray Serve flags)"
+            _refuse(
+                parser,
+                single_server,
+                f"to the HTTP server, not with --replicas {args.replicas} (the replicas take "
+                "--model and the Ray Serve flags)",
             )
         prepare_torch_process()
         return run_ray(args)
     ray_flags = ray_flags_given(args)
     if ray_flags:
-        verb = "applies" if len(ray_flags) == 1 else "apply"
-        message = f"{', '.join(ray_flags)} {verb} only with --replicas N (Ray Serve replicas)"
-        if args.max_tokens is not None:
-            message += "; the HTTP server takes max_tokens from each request"
-        parser.error(message)
+        max_tokens = "; the HTTP server takes max_tokens from each request"
+        scope = "with --replicas N (Ray Serve replicas)"
+        _refuse(parser, ray_flags, scope + (max_tokens if args.max_tokens is not None else ""))
     if args.max_batch_tokens < args.max_running:
         parser.error(
             f"--max-batch-tokens ({args.max_batch_tokens}) must be >= --max-running "
