@@ -25,7 +25,10 @@ Engines: ``ours`` (``prefixflight serve``, release policy ``--policy``), ``ours-
 (no single flight: same-step sharing alone), ``vllm`` (its defaults, the same step budget),
 ``vllm-threshold`` (``--long-prefill-token-threshold``: long prefills are capped per step so
 several progress side by side, vLLM V1's form of concurrent partial prefills; vLLM 0.32 has
-no ``--max-num-partial-prefills`` any more).
+no ``--max-num-partial-prefills`` any more), and each of the two vLLM engines with
+prefixflight's single flight inside (``vllm-flight``, ``vllm-threshold-flight``: the plugin,
+``--scheduler-cls prefixflight.vllm.Scheduler`` with ``single_flight`` on, release
+``--policy``; the vLLM venv needs prefixflight installed, as benchmarks/vllm/setup.sh does).
 
     python benchmarks/duplicate_prefill.py --model-dir DIR [--vllm-python PY]
         [--engines ours,vllm,...] [--rounds 1] [--doc-tokens 8000] [--json FILE]
@@ -51,7 +54,14 @@ from typing import Any
 
 import httpx
 
-ENGINES = ("ours", "ours-independent", "vllm", "vllm-threshold")
+ENGINES = (
+    "ours",
+    "ours-independent",
+    "vllm",
+    "vllm-threshold",
+    "vllm-flight",
+    "vllm-threshold-flight",
+)
 WORKLOADS = (
     "burst_warm_4",
     "burst_cold_4",
@@ -134,8 +144,12 @@ class Server:
                 "--max-num-batched-tokens", str(args.budget), "--max-model-len", "8192",
                 "--block-size", str(args.vllm_block),
             ]  # fmt: skip
-            if engine == "vllm-threshold":
+            if engine.startswith("vllm-threshold"):
                 cmd += ["--long-prefill-token-threshold", str(args.threshold)]
+            if engine.endswith("-flight"):
+                flight = {"single_flight": {"release": args.policy}}
+                cmd += ["--scheduler-cls", "prefixflight.vllm.Scheduler"]
+                cmd += ["--additional-config", json.dumps({"prefixflight": flight})]
             env.update(
                 VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}", VLLM_CPU_KVCACHE_SPACE="2"
             )

@@ -67,7 +67,10 @@ from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
-SERVERS = ("prefixflight", "vllm")
+SERVERS = ("prefixflight", "vllm", "vllm-plugin", "vllm-checked")
+# vLLM with prefixflight inside (the plugin, docs/vllm.md): its "lru" eviction, and the same
+# in checked mode; the vLLM venv needs prefixflight installed (benchmarks/vllm/setup.sh does)
+PLUGIN = {"vllm-plugin": {"eviction": "lru"}, "vllm-checked": {"eviction": "lru", "checked": True}}
 WORKLOADS = (
     "cold_prompt",
     "warm_prefix",
@@ -187,7 +190,7 @@ class Server:
         self.kind = kind
         self.port = _free_port()
         env = dict(os.environ)
-        if kind == "vllm":
+        if kind.startswith("vllm"):
             env.update(VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_CPU_KVCACHE_SPACE="1")
             cmd = [
                 args.vllm_python,
@@ -206,6 +209,9 @@ class Server:
                 str(self.port),
                 *args.vllm_arg,
             ]
+            if kind in PLUGIN:
+                cmd += ["--scheduler-cls", "prefixflight.vllm.Scheduler"]
+                cmd += ["--additional-config", json.dumps({"prefixflight": PLUGIN[kind]})]
         else:
             env["PYTHONPATH"] = os.pathsep.join(
                 [str(ROOT / d) for d in ("core", "specs", "backends", "serve")]
@@ -525,7 +531,9 @@ def main() -> None:
     ap.add_argument("--json", default=None, metavar="FILE")
     ap.add_argument("--workload", default=None, metavar="FILE", help="write (or read) prompts")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
-    ap.add_argument("--servers", default=",".join(SERVERS))
+    ap.add_argument(
+        "--servers", default="prefixflight,vllm", help=f"comma-separated, of {', '.join(SERVERS)}"
+    )
     ap.add_argument(
         "--vllm-python",
         default=os.environ.get("VLLM_PYTHON", str(ROOT / ".venv-vllm" / "bin" / "python")),
@@ -586,18 +594,30 @@ def main() -> None:
     for w, by in med.items():
         for kind, m in by.items():
             print(f"{w:<14} {kind:<12} " + " ".join(f"{k}={m[k]:.3f}" for k in keys if k in m))
-        if len(by) == 2:
+        for kind in PLUGIN:  # the plugin's overhead: vLLM with it against vLLM without
+            if kind in by and "vllm" in by:
+                over = {
+                    k: by[kind][k] / by["vllm"][k]
+                    for k in ("ttft_p50", "tokens_per_s", "cpu_s")
+                    if by["vllm"].get(k) not in (None, 0, 0.0) and k in by[kind]
+                }
+                ratios.setdefault(w, {}).update({f"{kind}/vllm {k}": v for k, v in over.items()})
+                print(
+                    f"{w:<14} {kind + '/vllm':<12} "
+                    + " ".join(f"{k}=x{v:.3f}" for k, v in over.items())
+                )
+        if "prefixflight" in by and "vllm" in by:
             ours, theirs = by["prefixflight"], by["vllm"]
-            ratios[w] = {
+            ratios.setdefault(w, {}).update({
                 k: ours[k] / theirs[k]
                 for k in keys
                 if k in ours and k in theirs and theirs[k] not in (0, 0.0)
-            }
+            })
             print(
                 f"{w:<14} {'ours/vllm':<12} "
                 + " ".join(f"{k}=x{v:.2f}" for k, v in ratios[w].items())
             )
-    if len(servers) == 2:
+    if {"prefixflight", "vllm"} <= set(servers):
         print("\n" + markdown_table(med))
     if args.json:
         report = {

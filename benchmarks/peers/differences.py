@@ -81,7 +81,12 @@ CASES: dict[str, tuple[Callable[[Any], type[Any]], Any, list[dict[str, Any]]]] =
             ),
         ),
         LibCacheSimS3FIFO.semantics,
-        [{"promote_at": 1}, {"small_queue": "bounded", "min_small_blocks": 1}],
+        [
+            {"promote_at": 1},
+            {"small_queue": "bounded", "min_small_blocks": 1},
+            {"main_evictions": "ghost"},
+            {"on_promote": "keep"},
+        ],
     ),
     "vllm scheduler": (
         lambda sem: SchedulerConformance.for_adapter(VLLMSchedulerAdapter, semantics=sem),

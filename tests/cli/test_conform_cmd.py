@@ -19,6 +19,7 @@ import attrs
 
 from prefixflight.core import LRU, Scheduler
 from prefixflight.core.flight._pages import PagePool
+from prefixflight.specs import PolicySemantics
 
 
 class LeakyPool(PagePool):
@@ -44,6 +45,22 @@ class SilentFinish(Scheduler):
 
 class NotAClass:
     pass
+
+
+class NoEvictFIFO:
+    semantics = PolicySemantics(policy="fifo")  # the default ops: pin, remove, evict
+
+    def __init__(self, capacity):
+        self.keys = []
+
+    def resident(self):
+        return frozenset(self.keys)
+
+    def access(self, blocks):
+        return []
+
+    def remove(self, block):
+        self.keys.remove(block)
 '''
 
 
@@ -70,8 +87,10 @@ def test_prefixflight_passes_and_the_json_says_what_ran(
     assert "declared differences:\n    hit_cap=n-1 (default full)" in text
     doc = json.loads(out.read_text())
     assert doc["engine"] == "prefixflight" and doc["passed"] is True
-    engine, s3fifo, _, sched = doc["checks"]
-    assert [c["name"] for c in doc["checks"]] == ["engine", "s3fifo", "lru", "scheduler"]
+    engine, s3fifo, _, sched, index = doc["checks"]
+    assert [c["name"] for c in doc["checks"]] == ["engine", "s3fifo", "lru", "scheduler", "index"]
+    assert index["machine"] == "KVIndexConformance" and index["adapter"] == "ReplicaIndexAdapter"
+    assert [d["name"] for d in index["declared"]] == ["order", "copies"]
     assert engine["rules"] == ["admit", "finish"]
     assert sched["machine"] == "SchedulerConformance" and sched["declared"] == []
     assert sched["adapter"] == "PrefixflightSchedulerAdapter"
@@ -115,7 +134,17 @@ def test_a_broken_fork_exits_1_with_its_shrunk_example(
         (["prefixflight", "--impl", "nowhere:X"], "cannot import 'nowhere'"),
         (["prefixflight", "--impl", "justaname"], "expected MODULE:CLASS"),
         (["prefixflight", "--examples", "0"], "must be >= 1"),
-        (["tensorrt"], "invalid choice"),
+        (["tensorrt"], "unknown engine 'tensorrt'; known: prefixflight, vllm, sglang"),
+        ([], "name an ENGINE or an --adapter MODULE:CLASS"),
+        (["prefixflight", "--adapter", "forks:StaleLRU"], "name an ENGINE or an --adapter"),
+        (["--adapter", "forks:StaleLRU"], "StaleLRU declares no semantics"),
+        (["--adapter", "forks:StaleLRU", "--check", "s3fifo", "--check", "lru"], "one check"),
+        (["--adapter", "forks:NoEvictFIFO"], "NoEvictFIFO has no evict(), pin(), unpin(), "),
+        (["--adapter", "forks:StaleLRU", "--check", "engine"], "StaleLRU has no block_size"),
+        (["--adapter", "forks:NoEvictFIFO", "--check", "lru"], "cannot run as 'lru'"),
+        (["--adapter", "forks:StaleLRU", "--impl", "forks:StaleLRU"], "--impl replaces a class"),
+        (["--adapter", "forks:NoEvictFIFO", "--check", "engine"], "the 'engine' check needs Eng"),
+        (["--adapter", "broken_syntax:X"], "cannot import 'broken_syntax': SyntaxError"),
         (["prefixflight", "--check", "nope"], "invalid choice: 'nope'"),
         (["sglang", "--check", "scheduler"], "sglang has no check 'scheduler'; its checks: engine"),
         (
@@ -126,6 +155,7 @@ def test_a_broken_fork_exits_1_with_its_shrunk_example(
 )
 def test_usage_errors_exit_2_with_one_line(tmp_path: Path, args: list[str], says: str) -> None:
     (tmp_path / "forks.py").write_text(_BROKEN)
+    (tmp_path / "broken_syntax.py").write_text("class X(:\n")
     run = _conform(tmp_path, *args)
     assert run.returncode == 2, run.stdout + run.stderr
     assert says in run.stderr and "Traceback" not in run.stderr
@@ -167,9 +197,95 @@ def test_check_runs_only_the_checks_named(capsys: pytest.CaptureFixture[str]) ->
     assert "prefixflight engine:" not in text and "prefixflight s3fifo:" not in text
 
 
-def test_the_cli_knows_every_check_name() -> None:
-    """The CLI's --check choices (it cannot import the specs to list them) are the specs'."""
-    from prefixflight.cli._conform_cmd import _CHECKS
-    from prefixflight.specs._conform import CHECKS
+def test_the_cli_reads_the_one_registry(capsys: pytest.CaptureFixture[str]) -> None:
+    """--check's choices and the engines --help lists are the registry's."""
+    from prefixflight.specs._registry import CHECKS, ENGINES
 
-    assert _CHECKS == CHECKS
+    assert CHECKS == ("engine", "s3fifo", "lru", "fifo", "lfu", "sieve", "scheduler", "index")
+    with pytest.raises(SystemExit):
+        main(["conform", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"{', '.join(ENGINES)}, or an engine an installed package registers" in out
+    assert f"run only this check of the engine ({', '.join(CHECKS)};" in out
+
+
+# -- a user's adapter, from the command line ----------------------------------------------------
+EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "my_s3fifo.py"
+
+
+def test_a_users_adapter_of_40_lines_runs_from_the_command_line(tmp_path: Path) -> None:
+    """docs/examples/my_s3fifo.py (the adapter docs/conformance.md shows) passes as written;
+    the same class with a declaration left out, or with a ghost check that never matches
+    (the bug the kit found in an S3-FIFO package), exits 1 with its shrunk example."""
+    source = EXAMPLE.read_text(encoding="utf-8")
+    assert len(source.splitlines()) <= 40
+    page = (EXAMPLE.parents[1] / "conformance.md").read_text(encoding="utf-8")
+    assert f"```python\n{source}```" in page  # the docs show the file as it is
+    (tmp_path / "my_s3fifo.py").write_text(source)
+    run = _conform(tmp_path, "--adapter", "my_s3fifo:MyS3FIFO", "--seed", "0", "--json", "r.json")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.startswith(
+        "my_s3fifo:MyS3FIFO s3fifo: S3FIFOConformance over MyS3FIFO (my_s3fifo:MyS3FIFO): "
+        "passed 100 examples of up to 50 steps (seed 0,"
+    )
+    check = json.loads((tmp_path / "r.json").read_text())["checks"][0]
+    assert check["rules"] == ["access"]
+    assert [d["name"] for d in check["declared"]] == [
+        "ops", "sizing", "max_freq", "main_evictions"
+    ]  # fmt: skip
+    broken = {
+        "undeclared": source.replace(', main_evictions="drop"', ""),
+        "ghostbug": source.replace("if b in self.ghost else", "if self.ghost.count(b) > 1 else"),
+    }
+    for name, text in broken.items():
+        assert text != source
+        (tmp_path / f"{name}.py").write_text(text)
+        run = _conform(tmp_path, "--adapter", f"{name}:MyS3FIFO", "--seed", "0")
+        assert run.returncode == 1, run.stdout + run.stderr
+        assert "UNDECLARED DIFFERENCE" in run.stdout and "minimal example:" in run.stdout
+        assert f"replay: prefixflight conform --adapter {name}:MyS3FIFO" in run.stdout
+
+
+def test_the_fifo_example_runs_and_a_fifo_that_refreshes_is_caught(tmp_path: Path) -> None:
+    """docs/examples/my_fifo.py, the shortest adapter (for the README): passes; the same
+    class refreshing a block on a hit (an LRU) exits 1."""
+    source = (EXAMPLE.parent / "my_fifo.py").read_text(encoding="utf-8")
+    (tmp_path / "my_fifo.py").write_text(source)
+    run = _conform(tmp_path, "--adapter", "my_fifo:MyFIFO", "--examples", "50", "--seed", "0")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "FIFOConformance over MyFIFO (my_fifo:MyFIFO): passed 50 examples" in run.stdout
+    lru = source.replace(
+        "            if b not in self.blocks and self.capacity:",
+        "            self.blocks.pop(b, 0)  # a hit moves it to the end\n"
+        "            if self.capacity:",
+    )
+    assert lru != source
+    (tmp_path / "my_lru.py").write_text(lru)
+    run = _conform(tmp_path, "--adapter", "my_lru:MyFIFO", "--seed", "0")
+    assert run.returncode == 1 and "UNDECLARED DIFFERENCE" in run.stdout, run.stdout
+
+
+def test_an_installed_package_registers_its_adapter(tmp_path: Path) -> None:
+    """An entry point in the group prefixflight.adapters makes `prefixflight conform NAME`
+    find the adapter (here a distribution's metadata on the path, as pip installs it)."""
+    (tmp_path / "my_s3fifo.py").write_text(EXAMPLE.read_text(encoding="utf-8"))
+    info = tmp_path / "my_engine-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: my-engine\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(
+        "[prefixflight.adapters]\nmyengine = my_s3fifo:MyS3FIFO\n"
+    )
+    run = _conform(tmp_path, "myengine", "--examples", "20", "--seed", "1")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.startswith("myengine s3fifo: S3FIFOConformance over MyS3FIFO")
+    run = _conform(tmp_path, "myengine", "--check", "lru")
+    assert run.returncode == 2 and "myengine has no check 'lru'; its checks: s3fifo" in run.stderr
+
+
+def test_a_shrunk_example_is_printed_without_steps_that_do_nothing() -> None:
+    from prefixflight.specs._adapter import NO_OP
+    from prefixflight.specs._conform import _without_no_ops
+
+    lines = ["Draw 1 (pages): 2", NO_OP, "state.evict(now=1, pages=1)", "admit(r0, a) -> hit 0",
+             "state.admit(chunks=[], first=0, tail=0, tail_len=1, whole=1)"]  # fmt: skip
+    assert _without_no_ops(lines) == [lines[0], *lines[3:]]

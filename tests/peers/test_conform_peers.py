@@ -43,8 +43,8 @@ _ENGINES: dict[str, tuple[dict[str, list[str]], dict[str, str]]] = {
     ),
     "libcachesim": (
         {
-            "s3fifo": ["ops", "evictions", "sizing", "promote_at", "small_queue",
-                       "min_small_blocks"],
+            "s3fifo": ["ops", "evictions", "sizing", "main_evictions", "on_promote",
+                       "promote_at", "small_queue", "min_small_blocks"],
             "lru": ["ops", "evictions"],
         },
         {"NoRemoveS3FIFO": "after remove(", "StaleLRU": "the implementation"},

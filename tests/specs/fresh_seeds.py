@@ -27,6 +27,7 @@ from prefixflight.specs import (
     BurstRouterConformance,
     CacheConformance,
     FlightCoordinatorMachine,
+    KVIndexConformance,
     LRUConformance,
     LRUCurveConformance,
     PrefixEngineConformance,
@@ -45,6 +46,7 @@ MACHINES: dict[str, type[RuleBasedStateMachine]] = {
     "scheduler": SchedulerMachine,
     "sched-conformance": SchedulerConformance,
     "router": BurstRouterConformance,
+    "index": KVIndexConformance,
 }
 
 

@@ -253,7 +253,7 @@ def test_for_adapter_takes_partials_and_their_declaration() -> None:
     )
     assert machine.semantics is PagePoolAdapter.semantics
     assert machine.__name__.endswith("PagePoolAdapter")
-    with pytest.raises(TypeError):
+    with pytest.raises(UsageError, match="must be an EngineSemantics, got 'ours'"):
         PrefixEngineConformance.for_adapter(PagePoolAdapter, semantics="ours")  # type: ignore[arg-type]
 
 

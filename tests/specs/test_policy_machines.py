@@ -206,7 +206,7 @@ def test_the_when_full_variant_reads_like_s3fifo_c() -> None:
     overflows into main); a small queue of one block admits nothing; promotion at 2."""
     sem = PolicySemantics(
         ops={"remove", "evict"}, sizing="floor", promote_at=2, small_queue="when-full",
-        min_small_blocks=2,
+        min_small_blocks=2, main_evictions="drop", on_promote="reset",
     )  # fmt: skip
     ref = s3fifo_reference({"capacity": 8, "small_ratio": 0.25}, sem)
     assert ref.access([0, 1, 2]) == [] and ref.resident() == {0, 1, 2}

@@ -148,7 +148,7 @@ def test_for_adapter_takes_partials_and_their_declaration() -> None:
     machine = SchedulerConformance.for_adapter(fork)
     assert machine.semantics == PrefixflightSchedulerAdapter.semantics
     assert machine.__name__ == "SchedulerConformance_PrefixflightSchedulerAdapter"
-    with pytest.raises(TypeError, match="SchedulerSemantics"):
+    with pytest.raises(UsageError, match="SchedulerSemantics, got 'any'"):
         SchedulerConformance.for_adapter(fork, semantics="any")  # type: ignore[arg-type]
 
 

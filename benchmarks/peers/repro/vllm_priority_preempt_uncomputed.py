@@ -8,6 +8,9 @@ the way the engine core drives it, with the model runner's outputs faked):
 
     python vllm_priority_preempt_uncomputed.py    # exit 1: reproduced; exit 0: fixed
 
+With ``--plugin`` the scheduler is ``prefixflight.vllm``'s (over vLLM's sync one, ``"lru"``
+eviction, checked mode), which logs the uncomputed block as an invariant violation.
+
 ``--scheduling-policy priority --long-prefill-token-threshold 4``, block size 4, a pool of
 5 blocks, a budget of 6 tokens, 2 sequences. Request A (13 tokens, priority 1) computes
 positions 0-5; request B, the same prompt at priority 0, arrives. Step 2: A computes 6-9
@@ -117,7 +120,13 @@ kv_cache_config = KVCacheConfig(
     kv_cache_tensors=[],
     kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn"], spec)],
 )
-scheduler = Scheduler(
+scheduler_cls: type[Scheduler] = Scheduler
+if "--plugin" in sys.argv[1:]:
+    from prefixflight.vllm import SyncScheduler
+
+    vllm_config.additional_config = {"prefixflight": {"eviction": "lru", "checked": True}}
+    scheduler_cls = SyncScheduler
+scheduler = scheduler_cls(
     vllm_config, kv_cache_config, StructuredOutputManager(vllm_config), block_size=BLOCK
 )
 hash_fn = get_hash_fn_by_name("sha256")

@@ -1,13 +1,18 @@
-"""``prefixflight conform ENGINE``: fuzz an engine's cache against prefixflight's spec.
+"""``prefixflight conform ENGINE | --adapter MODULE:CLASS``: fuzz an engine's cache (or
+your own adapter) against prefixflight's spec.
 
 Runs the conformance machines of ``prefixflight.specs`` over the engine's declared adapter
-(``prefixflight.specs.adapters``): its prefix cache under `PrefixEngineConformance`, its
+(``prefixflight.specs.adapters``, or one an installed package registers in the entry-point
+group ``prefixflight.adapters``): its prefix cache under `PrefixEngineConformance`, its
 eviction policies under the policy machines, its scheduler under `SchedulerConformance`
-(``--check`` picks some of them). Exit status 0 when the engine matches the spec
-up to its declared differences, 1 when an undeclared difference is found (printed with its
-shrunk example), 2 for usage errors (an unknown engine, a bad ``--impl``, an engine that
-cannot be imported here). vLLM, SGLang and libCacheSim are imported only when their check
-runs, in the environment ``benchmarks/peers/setup.sh`` builds.
+(``--check`` picks some of them). ``--adapter`` runs any class or factory under the machine
+its declaration names. Exit status 0 when it matches the spec up to its declared
+differences, 1 when an undeclared difference is found (printed with its shrunk example), 2
+for usage errors (an unknown engine, a bad ``--impl`` or ``--adapter``, a declaration that
+promises calls the class lacks, an engine that cannot be imported here). vLLM, SGLang and
+libCacheSim are imported only when their check runs, in the environment
+``benchmarks/peers/setup.sh`` builds. The engines and checks are
+``prefixflight.specs._registry``'s.
 """
 
 from __future__ import annotations
@@ -26,24 +31,38 @@ from ._io import write_atomic, write_stdout
 
 __all__ = ["format_report", "register", "run"]
 
-_ENGINES = ("vllm", "sglang", "libcachesim", "prefixflight")
-_CHECKS = ("engine", "lru", "s3fifo", "scheduler")  # pinned against specs' CHECKS by a test
-
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from prefixflight.specs._registry import CHECKS, ENGINES  # the registry (no Hypothesis)
+
+    engines = ", ".join(ENGINES)
     p = sub.add_parser(
         "conform",
-        help="fuzz an engine's prefix cache or scheduler (vLLM, SGLang, libCacheSim, ours) "
-        "against the spec",
+        help="fuzz an engine's prefix cache, eviction policy or scheduler (vLLM, SGLang, "
+        "libCacheSim, ours, or your own adapter) against the spec",
         description=(
-            "Drive ENGINE's own cache calls with requests sharing prefixes (or its eviction "
-            "policy with block streams, or its scheduler as a model runner would), check it "
-            "against prefixflight's spec after every step, and report every difference its "
-            "adapter does not declare, shrunk to a minimal example. Exit 0: matches up to its "
+            "Drive ENGINE's own cache calls (or your --adapter's) with requests sharing "
+            "prefixes (or its eviction policy with block streams, its scheduler as a model "
+            "runner would, its KV-event index with an engine's events), check it against "
+            "prefixflight's spec after every step, and report every difference its adapter "
+            "does not declare, shrunk to a minimal example. Exit 0: matches up to its "
             "declared differences; 1: an undeclared difference; 2: usage error."
         ),
     )
-    p.add_argument("engine", choices=_ENGINES, metavar="ENGINE", help=", ".join(_ENGINES))
+    p.add_argument(
+        "engine",
+        nargs="?",
+        metavar="ENGINE",
+        help=f"{engines}, or an engine an installed package registers (entry-point group "
+        "prefixflight.adapters)",
+    )
+    p.add_argument(
+        "--adapter",
+        metavar="MODULE:CLASS",
+        help="instead of ENGINE: your own adapter (any class or factory with a `semantics` "
+        "declaration), run under the machine its declaration names (or --check's); MODULE is "
+        "imported from the current directory",
+    )
     p.add_argument(
         "--impl",
         metavar="MODULE:CLASS",
@@ -52,11 +71,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument(
         "--check",
-        choices=_CHECKS,
+        choices=CHECKS,
         action="append",
         metavar="NAME",
-        help=f"run only this check of the engine ({', '.join(_CHECKS)}; repeatable; "
-        "default: all of them)",
+        help=f"run only this check of the engine ({', '.join(CHECKS)}; repeatable; "
+        "default: all of them); with --adapter, the machine to run it under when its "
+        "declaration names none",
     )
     p.add_argument(
         "--examples", type=at_least(1), default=100, metavar="N", help="examples per check"
@@ -99,8 +119,10 @@ def format_report(report: dict[str, Any], replay: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     parser: argparse.ArgumentParser = args.parser
-    if os.getcwd() not in sys.path:  # --impl names a module of the user's
+    if os.getcwd() not in sys.path:  # --impl and --adapter name a module of the user's
         sys.path.insert(0, os.getcwd())
+    if (args.engine is None) == (args.adapter is None):
+        parser.error("name an ENGINE or an --adapter MODULE:CLASS (one of them)")
     try:
         from prefixflight.specs import _conform
     except ImportError as exc:
@@ -109,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
         impl = _conform.load_class(args.impl) if args.impl else None
         report = _conform.conform(
             args.engine,
+            adapter=args.adapter,
             impl=impl,
             examples=args.examples,
             steps=args.steps,
@@ -119,7 +142,8 @@ def run(args: argparse.Namespace) -> int:
     except UsageError as exc:
         parser.error(str(exc))
     doc = report.to_json()
-    replay = f"prefixflight conform {args.engine} --examples {args.examples} --steps {args.steps}"
+    what = args.engine or f"--adapter {args.adapter}"
+    replay = f"prefixflight conform {what} --examples {args.examples} --steps {args.steps}"
     replay += "".join(f" --check {c}" for c in args.check or ())
     if args.impl:
         replay += f" --impl {args.impl}"

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
-from hypothesis import assume, note
+from hypothesis import note
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -31,10 +31,10 @@ from prefixflight.core.cache import (
 )
 
 from ._adapter import name_of, semantics_of
-from ._declare import PolicySemantics, Unsupported
+from ._declare import PolicySemantics
 from ._machines import s3fifo_reference
 from ._reference import ReferenceLRU, ReferenceS3FIFO
-from ._strategies import s3fifo_configs
+from ._strategies import draw_supported, s3fifo_configs
 
 __all__ = ["CacheConformance"]
 
@@ -109,15 +109,13 @@ class CacheConformance(RuleBasedStateMachine):
 
     @initialize(data=st.data())
     def start(self, data: st.DataObject) -> None:
-        config = data.draw(type(self).configs, label="config")
+        factory = type(self).factory
+        config, policy = draw_supported(
+            data, type(self).configs, lambda c: factory(**c), label="config"
+        )
         note(f"config: {config}")
         self.config = config
         self.events: list[KVEvent] = []
-        try:
-            policy = type(self).factory(**config)
-        except Unsupported as exc:
-            note(f"unsupported config: {exc}")
-            assume(False)
         self.cache = PrefixCache(policy, _BLOCK_SIZE, event_sink=self.events.append)
         self.model = _ModelCache(s3fifo_reference(config, type(self).semantics))
         self.mirror: set[BlockHash] = set()

@@ -1,8 +1,10 @@
-"""`conform`: run the conformance machines of one engine (``prefixflight conform ENGINE``).
+"""`conform`: run the conformance machines of one engine (``prefixflight conform ENGINE``),
+or of one adapter (``prefixflight conform --adapter MODULE:CLASS``).
 
-An engine is a list of checks: a machine class built over a declared adapter (its prefix
-cache, its eviction policies, its scheduler), and the engine class that ``impl`` may
-replace. `conform` runs each under one seed and returns a
+The engines and checks are `prefixflight.specs._registry`'s (one registry): an engine is a
+list of checks, each a machine over a declared adapter (its prefix cache, its eviction
+policies, its scheduler) and the engine class that ``impl`` may replace; an adapter runs
+under the machine its declaration names. `conform` runs each under one seed and returns a
 `ConformReport` that lists, per check, what was run (examples, steps, rules, seed), the
 declared differences, and the first undeclared difference with its shrunk example.
 
@@ -16,150 +18,81 @@ import functools
 import secrets
 import time
 from collections.abc import Callable, Sequence
-from importlib import import_module
 from typing import Any
 
 import attrs
 from hypothesis import HealthCheck, Phase, seed, settings
+from hypothesis import strategies as st
 from hypothesis.errors import Flaky
 from hypothesis.stateful import run_state_machine_as_test
 
-from prefixflight.core import LRU, S3FIFO, UsageError
+from prefixflight.core import UsageError
 
-from ._adapter import name_of
-from ._declare import EngineSemantics, PolicySemantics, SchedulerSemantics, declared_differences
+from ._adapter import NO_OP, name_of, semantics_of
+from ._declare import (
+    EngineSemantics,
+    IndexSemantics,
+    PolicySemantics,
+    SchedulerSemantics,
+    declared_differences,
+)
 from ._engine_machine import PrefixEngineConformance
+from ._index_machine import KVIndexConformance
 from ._isolate import isolated
-from ._machines import LRUConformance, PolicyConformance, S3FIFOConformance
+from ._machines import PolicyConformance
+from ._registry import MACHINES, Check, check_for, engines, load_object
 from ._sched_machine import SchedulerConformance
 
-__all__ = ["CHECKS", "ENGINES", "Check", "CheckResult", "ConformReport", "conform", "load_class"]
+__all__ = ["CheckResult", "ConformReport", "conform", "load_class", "machine_for"]
+
+load_class = load_object  # the name the CLI and older callers use
 
 
-@attrs.frozen
-class Check:
-    """One machine over one adapter.
+def machine_for(
+    factory: Callable[..., Any],
+    *,
+    check: str | None = None,
+    semantics: Any = None,
+    configs: st.SearchStrategy[Any] | None = None,
+) -> type[Any]:
+    """The machine class that checks ``factory``'s implementations: the one its declaration
+    names (``semantics``, else ``factory.semantics``), or ``check`` (a name of
+    `prefixflight.specs._registry.MACHINES`: ``"engine"``, ``"s3fifo"``, ``"lru"``,
+    ``"fifo"``, ``"lfu"``, ``"sieve"``, ``"scheduler"``, ``"index"``).
 
-    ``base`` is ``"module:Class"``, the engine class an ``impl`` must subclass for this
-    check to run; ``build(impl)`` makes the machine class (``impl`` is ``None`` for the
-    engine's own class).
+    ``configs`` narrows what the factory is called with (config dicts for a policy, pool
+    sizes for an engine or an index, block sizes for a scheduler; default: ``factory.configs`` if it
+    has one). Run it with ``run_state_machine_as_test(machine)`` or use ``machine.TestCase``.
+    Raises `UsageError` when the declaration and ``check`` disagree or neither names one,
+    or when the declaration promises calls the class lacks.
     """
-
-    name: str
-    base: str
-    build: Callable[[type[Any] | None], type[Any]]
-    setup: str | None = None  # "module:function" to call before importing ``base``
-
-
-def _engine(adapter: str, keyword: str = "impl") -> Callable[[type[Any] | None], type[Any]]:
-    def build(impl: type[Any] | None) -> type[Any]:
-        cls = load_class(adapter)
-        factory = cls if impl is None else functools.partial(cls, **{keyword: impl})
-        return PrefixEngineConformance.for_adapter(factory)
-
-    return build
+    declared = semantics if semantics is not None else semantics_of(factory)
+    name = check_for(declared, check, name_of(factory))
+    machine: type[Any] = load_object(MACHINES[name].machine)
+    if issubclass(machine, PolicyConformance):
+        return machine.for_factory(factory, semantics=semantics, configs=configs)
+    if issubclass(machine, PrefixEngineConformance):
+        return machine.for_adapter(factory, semantics=semantics, pages=configs)
+    if issubclass(machine, KVIndexConformance):
+        return machine.for_adapter(factory, semantics=semantics, pages=configs)
+    assert issubclass(machine, SchedulerConformance)
+    return machine.for_adapter(factory, semantics=semantics, block_sizes=configs)
 
 
-def _scheduler(adapter: str, keyword: str = "impl") -> Callable[[type[Any] | None], type[Any]]:
-    def build(impl: type[Any] | None) -> type[Any]:
-        cls = load_class(adapter)
-        factory = cls if impl is None else functools.partial(cls, **{keyword: impl})
-        return SchedulerConformance.for_adapter(factory)
-
-    return build
-
-
-def _policy(
-    machine: type[PolicyConformance], adapter: str | None, default: Any, configs: str | None = None
-) -> Callable[[type[Any] | None], type[Any]]:
-    def build(impl: type[Any] | None) -> type[Any]:
-        if adapter is None:  # prefixflight's own policies: the class itself is the factory
-            return machine.for_factory(impl or default)
-        cls = load_class(adapter)
-        factory = isolated(cls if impl is None else functools.partial(cls, impl=impl))
-        strategy = load_class(configs)() if configs else None
-        return machine.for_factory(factory, configs=strategy)
-
-    return build
-
-
-_A = "prefixflight.specs.adapters"
-ENGINES: dict[str, tuple[Check, ...]] = {
-    "prefixflight": (
-        Check(
-            "engine",
-            "prefixflight.core.flight._pages:PagePool",
-            _engine(f"{_A}:PagePoolAdapter", "pool_cls"),
-        ),
-        Check("s3fifo", "prefixflight.core:S3FIFO", _policy(S3FIFOConformance, None, S3FIFO)),
-        Check("lru", "prefixflight.core:LRU", _policy(LRUConformance, None, LRU)),
-        Check(
-            "scheduler",
-            "prefixflight.core:Scheduler",
-            _scheduler(f"{_A}:PrefixflightSchedulerAdapter", "scheduler_cls"),
-        ),
-    ),
-    "vllm": (
-        Check(
-            "engine",
-            "vllm.v1.core.kv_cache_manager:KVCacheManager",
-            _engine(f"{_A}:VLLMAdapter"),
-        ),
-        Check("engine", "vllm.v1.core.block_pool:BlockPool", _engine(f"{_A}:VLLMAdapter")),
-        Check(
-            "scheduler",
-            "vllm.v1.core.sched.scheduler:Scheduler",
-            _scheduler(f"{_A}:VLLMSchedulerAdapter"),
-        ),
-    ),
-    "sglang": (
-        Check(
-            "engine",
-            "sglang.srt.mem_cache.radix_cache:RadixCache",
-            _engine(f"{_A}:SGLangAdapter"),
-            setup=f"{_A}:stub_torchvision",
-        ),
-    ),
-    "libcachesim": (
-        Check(
-            "s3fifo",
-            "libcachesim:S3FIFO",
-            _policy(
-                S3FIFOConformance,
-                f"{_A}:LibCacheSimS3FIFO",
-                None,
-                f"{_A}:libcachesim_s3fifo_configs",
-            ),
-        ),
-        Check("lru", "libcachesim:LRU", _policy(LRUConformance, f"{_A}:LibCacheSimLRU", None)),
-    ),
-}
-"""Every engine ``prefixflight conform`` knows, with its checks (without ``--impl`` the
-first check of each name runs; with it, the checks whose ``base`` the class subclasses;
-``--check`` keeps only the checks of the names it gives)."""
-
-CHECKS = tuple(sorted({c.name for checks in ENGINES.values() for c in checks}))
-"""Every check name (``prefixflight conform --check``)."""
-
-
-def load_class(path: str) -> Any:
-    """``"module:Name"`` (or ``"module.Name"``) -> the object; `UsageError` naming what is
-    missing."""
-    module, sep, name = path.partition(":")
-    if not sep:
-        module, _, name = path.rpartition(".")
-    if not module or not name:
-        raise UsageError(f"expected MODULE:CLASS, got {path!r}")
-    try:
-        obj = import_module(module)
-    except ImportError as exc:
-        raise UsageError(f"cannot import {module!r}: {exc}") from None
-    for part in name.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise UsageError(f"{module!r} has no attribute {name!r}") from None
-    return obj
+def _build(check: Check, impl: type[Any] | None) -> type[Any]:
+    """The machine of one registered check, over ``impl`` when given."""
+    if check.setup:
+        load_object(check.setup)()
+    if check.adapter is None:  # the class itself is checked (ours, or a registered adapter)
+        factory: Callable[..., Any] = impl or load_object(check.base)
+    else:
+        factory = load_object(check.adapter)
+        if impl is not None:
+            factory = functools.partial(factory, **{check.impl_keyword: impl})
+    if check.isolated:
+        factory = isolated(factory)
+    configs = load_object(check.configs)() if check.configs else None
+    return machine_for(factory, check=check.name, configs=configs)
 
 
 @attrs.frozen
@@ -207,6 +140,8 @@ def _rules(machine: type[Any]) -> tuple[str, ...]:
         return ("add", "add_identical", "schedule", "complete", "step", "abort", "drain")
     if isinstance(sem, EngineSemantics):
         return ("admit", "finish", *sorted(sem.ops))
+    if isinstance(sem, IndexSemantics):
+        return ("admit", "finish", "evict", "reset")
     assert isinstance(sem, PolicySemantics)
     ops = sem.ops
     names = ["access"]
@@ -236,7 +171,7 @@ def _run(machine: type[Any], examples: int, steps: int, seed_: int) -> tuple[str
                 suppress_health_check=list(HealthCheck),
             ),
         )
-    except ImportError:  # the engine is not installed here: not a finding
+    except (ImportError, UsageError):  # not installed here, or a declaration to fix
         raise
     except Exception as exc:  # an undeclared difference, or anything else the run raised
         first: BaseException = exc
@@ -252,13 +187,28 @@ def _run(machine: type[Any], examples: int, steps: int, seed_: int) -> tuple[str
                 f"outside its inputs (clock, hash or memory order): {message}"
             )
         notes = [n for n in getattr(first, "__notes__", ()) if not n.startswith(_NOISE)]
-        return message, [n for n in notes if not n.startswith("state = ")]
+        return message, _without_no_ops([n for n in notes if not n.startswith("state = ")])
     return None, []
 
 
+def _without_no_ops(lines: list[str]) -> list[str]:
+    """A shrunk example without the steps the machine noted as doing nothing."""
+    out: list[str] = []
+    skip = False
+    for line in lines:
+        if line == NO_OP:
+            skip = True
+        elif skip and line.startswith("state."):
+            skip = False
+        else:
+            out.append(line)
+    return out
+
+
 def conform(
-    engine: str,
+    engine: str | None = None,
     *,
+    adapter: str | None = None,
     impl: type[Any] | None = None,
     examples: int = 100,
     steps: int = 50,
@@ -266,40 +216,49 @@ def conform(
     checks: Sequence[str] | None = None,
     log: Callable[[str], None] | None = None,
 ) -> ConformReport:
-    """Run ``engine``'s checks (``impl``: a drop-in replacement for one of its classes;
-    ``checks``: only the checks of these names, e.g. ``["scheduler"]``).
+    """Run ``engine``'s checks, or ``adapter``'s (``"module:Class"``: any class or factory,
+    run under the machine its declaration names, or the one check of ``checks``).
 
-    Raises `UsageError` for an unknown engine or check, an ``impl`` that replaces none of
-    its classes (of the checks chosen), or an engine that cannot be imported here.
+    ``impl``: a drop-in replacement for one of the engine's classes; ``checks``: only the
+    checks of these names, e.g. ``["scheduler"]``. Raises `UsageError` for an unknown engine
+    or check, an ``impl`` that replaces none of its classes (of the checks chosen), an engine
+    that cannot be imported here, an adapter that cannot be loaded or whose declaration
+    names no check, or a declaration that promises calls the implementation lacks.
     """
-    if engine not in ENGINES:
-        raise UsageError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
+    if (engine is None) == (adapter is None):
+        raise UsageError("name an ENGINE or an --adapter MODULE:CLASS (one of them)")
     if examples < 1 or steps < 1:
         raise UsageError(f"need examples >= 1 and steps >= 1, got {examples}, {steps}")
-    names = sorted({c.name for c in ENGINES[engine]})
-    if checks is not None:
-        unknown = sorted(set(checks) - set(names))
-        if unknown or not checks:
-            raise UsageError(
-                f"{engine} has no check {', '.join(map(repr, unknown)) or 'chosen'}; "
-                f"its checks: {', '.join(names)}"
-            )
-    chosen = _choose(engine, impl, checks)
+    if adapter is not None:
+        if impl is not None:
+            raise UsageError("--impl replaces a class of an ENGINE; --adapter names the class")
+        if checks is not None and len(set(checks)) != 1:
+            raise UsageError(f"an adapter runs under one check, got {list(checks)}")
+        label = adapter
+        chosen = [_named(Check(checks[0] if checks else None, adapter), label)]
+    else:
+        assert engine is not None
+        label = engine
+        registry = engines()
+        if engine not in registry:
+            raise UsageError(f"unknown engine {engine!r}; known: {', '.join(registry)}")
+        chosen = _choose(engine, [_named(c, engine) for c in registry[engine]], impl, checks)
     run_seed = secrets.randbits(32) if seed is None else seed
     results = []
     for check in chosen:
+        assert check.name is not None
         try:
-            machine = check.build(impl)
+            machine = _build(check, None if adapter else impl)
         except ImportError as exc:
-            raise UsageError(_not_installed(engine, exc)) from None
+            raise UsageError(_not_installed(label, exc)) from None
         if log:
-            log(f"{engine} {check.name}: {machine.__name__}, {examples} examples of up to "
+            log(f"{label} {check.name}: {machine.__name__}, {examples} examples of up to "
                 f"{steps} steps, seed {run_seed}")  # fmt: skip
         t0 = time.perf_counter()
         try:
             message, example = _run(machine, examples, steps, run_seed)
         except ImportError as exc:
-            raise UsageError(_not_installed(engine, exc)) from None
+            raise UsageError(_not_installed(label, exc)) from None
         results.append(
             CheckResult(
                 name=check.name,
@@ -321,40 +280,68 @@ def conform(
                 example=tuple(example),
             )
         )
-    return ConformReport(engine, tuple(results))
+    return ConformReport(label, tuple(results))
 
 
 def _qualified(cls: type[Any]) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
+_PEERS = ("vllm", "sglang", "libcachesim")  # what benchmarks/peers/setup.sh installs
+
+
 def _not_installed(engine: str, exc: ImportError) -> str:
-    return (
-        f"{engine} cannot be imported here ({exc}); run in the environment that "
-        "benchmarks/peers/setup.sh builds"
+    missing = (exc.name or "").split(".")[0]
+    if engine in _PEERS or missing in _PEERS:
+        return (
+            f"{engine} cannot be imported here ({exc}); run in the environment that "
+            "benchmarks/peers/setup.sh builds"
+        )
+    hint = "; install prefixflight's extras (pip install 'prefixflight[all]')"
+    return f"{engine} cannot import what it needs here ({exc})" + (
+        hint if engine == "prefixflight" else ""
     )
 
 
-def _choose(engine: str, impl: type[Any] | None, only: Sequence[str] | None) -> list[Check]:
-    checks = tuple(c for c in ENGINES[engine] if only is None or c.name in only)
+def _named(check: Check, engine: str) -> Check:
+    """``check`` with its name: the check its adapter's declaration names, when the
+    registry leaves it to the declaration (an adapter an entry point or --adapter gives)."""
+    if check.name is not None:
+        return check
+    found = load_object(check.base)
+    return attrs.evolve(check, name=check_for(semantics_of(found), None, check.base))
+
+
+def _choose(
+    engine: str, checks: Sequence[Check], impl: type[Any] | None, only: Sequence[str] | None
+) -> list[Check]:
+    names = sorted({str(c.name) for c in checks})
+    if only is not None:
+        unknown = sorted(set(only) - set(names))
+        if unknown or not only:
+            raise UsageError(
+                f"{engine} has no check {', '.join(map(repr, unknown)) or 'chosen'}; "
+                f"its checks: {', '.join(names)}"
+            )
+    kept = [c for c in checks if only is None or c.name in only]
     if impl is None:
-        seen: dict[str, Check] = {}
-        for c in checks:
+        seen: dict[str | None, Check] = {}
+        for c in kept:
             seen.setdefault(c.name, c)
         return list(seen.values())
     if not isinstance(impl, type):
         raise UsageError(f"--impl must name a class, got {impl!r}")
     chosen = []
-    for c in checks:
+    for c in kept:
         try:
             if c.setup:
-                load_class(c.setup)()
-            base = load_class(c.base)
+                load_object(c.setup)()
+            base = load_object(c.base)
         except UsageError as exc:
             raise UsageError(_not_installed(engine, ImportError(str(exc)))) from None
         if issubclass(impl, base):
             chosen.append(c)
     if not chosen:
-        bases = ", ".join(c.base for c in checks)
+        bases = ", ".join(c.base for c in kept)
         raise UsageError(f"{_qualified(impl)} is not a subclass of any of {bases}")
     return chosen

@@ -24,6 +24,8 @@ from prefixflight.core import PrefixflightError, UsageError
 __all__ = [
     "EngineCrashed",
     "EngineSemantics",
+    "IndexSemantics",
+    "POLICY_MACHINES",
     "PolicySemantics",
     "SchedulerSemantics",
     "Unsupported",
@@ -59,6 +61,14 @@ def _one_of(*values: str) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
     def check(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
         if value not in values:
             raise UsageError(f"{attribute.name} must be one of {values}, got {value!r}")
+
+    return check
+
+
+def _at_least(low: int) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
+    def check(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise UsageError(f"{attribute.name} must be an integer >= {low}, got {value!r}")
 
     return check
 
@@ -178,9 +188,28 @@ class EngineSemantics:
         return self.unit == "node" or self.orphans == "removed"
 
 
+POLICY_MACHINES = ("s3fifo", "lru", "fifo", "lfu", "sieve")
+"""The eviction policies a `PolicySemantics` can name (each has its machine)."""
+
+_S3FIFO_ONLY = (
+    "sizing",
+    "promote_at",
+    "small_queue",
+    "min_small_blocks",
+    "max_freq",
+    "ghost_size",
+    "main_evictions",
+    "on_promote",
+)
+
+
 @attrs.frozen(kw_only=True)
 class PolicySemantics:
     """An eviction policy, as its factory declares it (defaults: prefixflight's policies).
+
+    ``policy``: the machine that checks it (``"s3fifo"``, ``"lru"``, ``"fifo"``, ``"lfu"``,
+    ``"sieve"``), so ``prefixflight conform --adapter`` knows which to run; ``None`` (the
+    default) leaves it to whoever builds the machine.
 
     ``ops``: the optional calls the policy supports (``pin``/``unpin``/``pin_count``,
     ``remove``, ``evict``); the machine runs only those rules.
@@ -189,18 +218,28 @@ class PolicySemantics:
     order; ``"observed"`` -- they return nothing useful, and the machine compares the
     resident set before and after.
 
-    S3-FIFO variant (ignored by LRU): ``sizing`` is how the small queue's size is derived
-    from ``capacity * small_ratio``: ``"round"`` (banker's rounding) or ``"floor"``;
+    S3-FIFO variant (only with ``policy`` ``"s3fifo"`` or ``None``): ``sizing`` is how the
+    small queue's size is derived from ``capacity * small_ratio``: ``"round"`` (banker's
+    rounding), ``"floor"``, or ``"floor-min-1"`` (``max(1, floor(...))``, at most the
+    capacity); ``max_freq`` fixes the frequency cap (the factory is then called without a
+    ``max_freq`` keyword; ``None``: the config's); ``ghost_size`` is how many blocks the
+    ghost queue remembers: as many as ``"main"`` holds, as the whole ``"capacity"``, or as
+    ``"small"`` holds; ``main_evictions`` says whether a block evicted from main enters the
+    ghost (``"ghost"``) or is forgotten (``"drop"``: only small-queue evictions are ghosted);
+    ``on_promote`` is the frequency a block promoted from small to main carries: it
+    ``"keep"``s its frequency, ``"reset"``s it to 0, or ``"decrement"``s it by one;
     ``promote_at`` is the frequency at which a block leaving the small queue is promoted to
     main; ``small_queue`` is ``"bounded"`` (every admission keeps the small queue within its
     size, promoting or ghosting its head) or ``"when-full"`` (nothing is evicted until the
     whole cache is full; then one eviction comes from main if main is over its size or the
     small queue is empty, else from the small queue; before the first eviction a new block
-    that finds the small queue full goes to main; only small-queue evictions enter the
-    ghost); ``min_small_blocks`` is the smallest small queue that admits anything (a small
-    queue of fewer blocks caches nothing new).
+    that finds the small queue full goes to main); ``min_small_blocks`` is the smallest
+    small queue that admits anything (a small queue of fewer blocks caches nothing new).
     """
 
+    policy: Literal["s3fifo", "lru", "fifo", "lfu", "sieve"] | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_one_of(*POLICY_MACHINES))
+    )
     ops: frozenset[str] = attrs.field(
         default=frozenset({"pin", "remove", "evict"}),
         converter=_frozen,
@@ -209,20 +248,63 @@ class PolicySemantics:
     evictions: Literal["reported", "observed"] = attrs.field(
         default="reported", validator=_one_of("reported", "observed")
     )
-    sizing: Literal["round", "floor"] = attrs.field(
-        default="round", validator=_one_of("round", "floor")
+    sizing: Literal["round", "floor", "floor-min-1"] = attrs.field(
+        default="round", validator=_one_of("round", "floor", "floor-min-1")
     )
-    promote_at: int = attrs.field(default=1, validator=attrs.validators.ge(1))
+    max_freq: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_at_least(0))
+    )
+    ghost_size: Literal["main", "capacity", "small"] = attrs.field(
+        default="main", validator=_one_of("main", "capacity", "small")
+    )
+    main_evictions: Literal["ghost", "drop"] = attrs.field(
+        default="ghost", validator=_one_of("ghost", "drop")
+    )
+    on_promote: Literal["keep", "reset", "decrement"] = attrs.field(
+        default="keep", validator=_one_of("keep", "reset", "decrement")
+    )
+    promote_at: int = attrs.field(default=1, validator=_at_least(1))
     small_queue: Literal["bounded", "when-full"] = attrs.field(
         default="bounded", validator=_one_of("bounded", "when-full")
     )
-    min_small_blocks: int = attrs.field(default=1, validator=attrs.validators.ge(1))
+    min_small_blocks: int = attrs.field(default=1, validator=_at_least(1))
 
     def __attrs_post_init__(self) -> None:
+        if self.policy not in (None, "s3fifo"):
+            base = PolicySemantics()
+            odd = [f for f in _S3FIFO_ONLY if getattr(self, f) != getattr(base, f)]
+            if odd:
+                raise UsageError(
+                    f"{', '.join(odd)} declare an S3-FIFO variant, but policy is "
+                    f"{self.policy!r}"
+                )
         if self.small_queue == "when-full" and "pin" in self.ops:
             raise UsageError("small_queue='when-full' is modelled without pins")
         if self.min_small_blocks > 1 and self.small_queue != "when-full":
             raise UsageError("min_small_blocks > 1 is modelled for small_queue='when-full'")
+
+
+@attrs.frozen(kw_only=True)
+class IndexSemantics:
+    """A KV-event consumer (a router's index of what an engine caches), as its adapter
+    declares it (defaults: the most an engine may send).
+
+    ``order``: ``"any"`` -- the events of one engine step may arrive in any order (vLLM frees
+    a chain tail first); ``"parents-first"`` -- a block's ``stored`` event comes after its
+    parent's (the machine sends them in chain order).
+
+    ``copies``: ``"counted"`` -- the engine may cache a block twice (vLLM's duplicates: a
+    ``stored`` event per copy, a ``removed`` per copy), so a block is cached until its last
+    copy is removed; ``"single"`` -- the index assumes one copy per block (the machine's
+    engine never caches a block twice).
+    """
+
+    order: Literal["any", "parents-first"] = attrs.field(
+        default="any", validator=_one_of("any", "parents-first")
+    )
+    copies: Literal["counted", "single"] = attrs.field(
+        default="counted", validator=_one_of("counted", "single")
+    )
 
 
 _POLICIES = ("fcfs", "priority")
@@ -290,7 +372,18 @@ _MEANING: Mapping[tuple[str, str], str] = {
     ("invalidated", "in-place"): "an invalidated page keeps its place in the eviction order",
     ("evictions", "observed"): "evictions are not returned; resident sets are compared",
     ("sizing", "floor"): "the small queue holds floor(capacity * small_ratio) blocks",
+    ("sizing", "floor-min-1"): "the small queue holds max(1, floor(capacity * small_ratio)) "
+    "blocks",
+    ("ghost_size", "capacity"): "the ghost remembers as many blocks as the cache holds",
+    ("ghost_size", "small"): "the ghost remembers as many blocks as the small queue holds",
+    ("main_evictions", "drop"): "a block evicted from main is forgotten (only small-queue "
+    "evictions enter the ghost)",
+    ("on_promote", "reset"): "a block promoted from small to main starts at frequency 0",
+    ("on_promote", "decrement"): "a block promoted from small to main loses one frequency",
     ("small_queue", "when-full"): "evicts only when the whole cache is full (S3FIFO.c's flow)",
+    ("order", "parents-first"): "a block's stored event must come after its parent's",
+    ("copies", "single"): "copies are not counted: the first removed event of a block cached "
+    "twice removes it",
     ("same_step_reads", "any"): "every row's KV is written before any row attends: a row may "
     "read pages any other row of its step writes",
     ("same_step_reads", "none"): "a page written in a step is read by no other row of it",
@@ -302,7 +395,7 @@ _MEANING: Mapping[tuple[str, str], str] = {
 
 
 def declared_differences(
-    semantics: EngineSemantics | PolicySemantics | SchedulerSemantics,
+    semantics: EngineSemantics | PolicySemantics | SchedulerSemantics | IndexSemantics,
 ) -> list[dict[str, Any]]:
     """How the declaration departs from prefixflight's semantics, as ``{"name", "value",
     "default", "meaning"}`` dicts (for reports and ``prefixflight conform --json``).
@@ -321,6 +414,8 @@ def declared_differences(
             continue
         if isinstance(semantics, SchedulerSemantics) and field.name == "policies":
             continue
+        if field.name == "policy":  # which machine, not how it differs
+            continue
         if isinstance(value, frozenset):
             missing = sorted(set(base) - set(value))
             if not missing:
@@ -329,6 +424,8 @@ def declared_differences(
             value, base = sorted(value), sorted(base)
         elif field.name == "promote_at":
             meaning = f"a small-queue block is promoted at frequency >= {value}"
+        elif field.name == "max_freq":
+            meaning = f"the frequency cap is fixed at {value} (max_freq is not configurable)"
         elif field.name == "min_small_blocks":
             meaning = f"a small queue of fewer than {value} blocks caches nothing new"
         else:

@@ -32,16 +32,53 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
-from hypothesis import assume, note
+from hypothesis import note
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from ._adapter import ALPHABET, EngineAdapter, PoolView, chunk_tokens, label, name_of, semantics_of
-from ._declare import EngineSemantics, Unsupported
+from prefixflight.core import UsageError
+
+from ._adapter import (
+    ALPHABET,
+    NO_OP,
+    EngineAdapter,
+    PoolView,
+    chunk_tokens,
+    class_of,
+    configs_of,
+    label,
+    name_of,
+    require_calls,
+    semantics_of,
+)
+from ._declare import EngineSemantics
 from ._engine_ref import Key, ReferencePrefixEngine
+from ._strategies import draw_supported
 from .adapters._prefixflight import PagePoolAdapter
 
 __all__ = ["PrefixEngineConformance"]
+
+ENGINE_CALLS: dict[str, tuple[str, ...]] = {
+    "": ("block_size", "admit", "finish", "pool"),
+    "evict": ("evict",),
+    "invalidate": ("invalidate",),
+    "reset": ("reset",),
+    "events": ("events",),
+}
+"""The calls an engine adapter must have: always (``""``), and per declared operation
+(``events``: when it declares ``evictions="reported"``)."""
+
+
+def _promised(semantics: EngineSemantics) -> frozenset[str]:
+    reported = {"events"} if semantics.evictions == "reported" else set()
+    return semantics.ops | reported
+
+
+def _engine_hint(has: set[str]) -> str:
+    ops = sorted(has - {"events"})
+    declared = "{" + ", ".join(map(repr, ops)) + "}" if ops else "set()"
+    reported = "" if "events" in has else ', evictions="observed"'
+    return f"semantics = EngineSemantics(ops={declared}{reported}, ...)"
 
 _ALPHABET = ALPHABET
 _MAX_RUNNING = 4
@@ -74,8 +111,12 @@ class PrefixEngineConformance(RuleBasedStateMachine):
         """
         declared = semantics or semantics_of(factory) or EngineSemantics()
         if not isinstance(declared, EngineSemantics):
-            raise TypeError(f"semantics must be an EngineSemantics, got {declared!r}")
+            raise UsageError(f"semantics must be an EngineSemantics, got {declared!r}")
+        made = class_of(factory)
+        if made is not None:
+            require_calls(made, ENGINE_CALLS, _promised(declared), _engine_hint)
         body: dict[str, Any] = {"factory": staticmethod(factory), "semantics": declared}
+        pages = pages if pages is not None else configs_of(factory)
         if pages is not None:
             body["page_counts"] = pages
         return type(f"{cls.__name__}_{name_of(factory)}", (cls,), body)
@@ -91,13 +132,11 @@ class PrefixEngineConformance(RuleBasedStateMachine):
     # -- set-up --------------------------------------------------------------------------
     @initialize(data=st.data())
     def start(self, data: st.DataObject) -> None:
-        pages = data.draw(type(self).page_counts, label="pages")
-        try:
-            engine = type(self).factory(pages)
-        except Unsupported as exc:
-            note(f"unsupported: {exc}")
-            assume(False)
+        pages, engine = draw_supported(
+            data, type(self).page_counts, type(self).factory, label="pages"
+        )
         self.engine = engine
+        require_calls(engine, ENGINE_CALLS, _promised(type(self).semantics), _engine_hint)
         bs = engine.block_size
         self.ref = ReferencePrefixEngine(type(self).semantics, pages, bs)
         self.step = f"start(pages={pages}, block_size={bs})"
@@ -172,6 +211,7 @@ class PrefixEngineConformance(RuleBasedStateMachine):
     def evict(self, pages: int, now: int) -> None:
         assert self.ref is not None
         if now:
+            note(NO_OP)
             return
         self.step = f"evict({pages})"
         note(self.step)
@@ -183,6 +223,7 @@ class PrefixEngineConformance(RuleBasedStateMachine):
     def invalidate(self, data: st.DataObject, now: int) -> None:
         assert self.ref is not None
         if now:
+            note(NO_OP)
             return
         key = data.draw(st.sampled_from(sorted(self.ref.resident())), label="block")
         self.step = f"invalidate({self._label(key)})"
@@ -198,6 +239,7 @@ class PrefixEngineConformance(RuleBasedStateMachine):
         """Drop everything (only while nothing runs)."""
         assert self.ref is not None
         if now:
+            note(NO_OP)
             return
         self.step = "reset()"
         note(self.step)

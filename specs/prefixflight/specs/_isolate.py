@@ -29,7 +29,7 @@ from typing import IO, Any
 
 from prefixflight.core import UsageError
 
-from ._adapter import name_of, semantics_of
+from ._adapter import configs_of, name_of, semantics_of
 from ._declare import EngineCrashed
 
 __all__ = ["isolated", "serve"]
@@ -199,6 +199,9 @@ def isolated(factory: Callable[..., Any]) -> Callable[..., Any]:
     semantics = semantics_of(factory)
     if semantics is not None:
         make.semantics = semantics  # type: ignore[attr-defined]
+    configs = configs_of(factory)
+    if configs is not None:
+        make.configs = configs  # type: ignore[attr-defined]
     return make
 
 

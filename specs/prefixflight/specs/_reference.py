@@ -15,7 +15,15 @@ from collections.abc import Iterable, Sequence
 
 from prefixflight.core import BlockHash, CapacityError, TraceRecord, UsageError
 
-__all__ = ["ReferenceLRU", "ReferenceReplay", "ReferenceS3FIFO", "reference_replay"]
+__all__ = [
+    "ReferenceFIFO",
+    "ReferenceLFU",
+    "ReferenceLRU",
+    "ReferenceReplay",
+    "ReferenceS3FIFO",
+    "ReferenceSIEVE",
+    "reference_replay",
+]
 
 
 class _Pinning:
@@ -57,11 +65,15 @@ class ReferenceS3FIFO(_Pinning):
     """S3FIFO exactly as the replay task writes it: three FIFO queues and a saturating freq.
 
     The keyword-only arguments select a declared variant (see `PolicySemantics`): ``sizing``
-    (``"round"``: banker's rounding of ``capacity * small_ratio``, or ``"floor"``),
-    ``promote_at`` (the frequency that promotes a small-queue head to main), ``small_queue``
-    (``"bounded"``: the task's flow; ``"when-full"``: libCacheSim's ``S3FIFO.c`` flow, which
-    evicts only when the whole cache is full) and ``min_small_blocks``. The defaults are the
-    replay task's.
+    (``"round"``: banker's rounding of ``capacity * small_ratio``, ``"floor"``, or
+    ``"floor-min-1"``: at least one block), ``ghost_size`` (the ghost remembers as many
+    blocks as ``"main"``, the ``"capacity"`` or ``"small"``), ``main_evictions`` (``"ghost"``:
+    main's victims enter the ghost; ``"drop"``: they are forgotten), ``on_promote`` (the
+    frequency a promoted block carries into main: ``"keep"``, ``"reset"`` to 0,
+    ``"decrement"`` by one), ``promote_at`` (the frequency that promotes a small-queue head
+    to main), ``small_queue`` (``"bounded"``: the task's flow; ``"when-full"``: libCacheSim's
+    ``S3FIFO.c`` flow, which evicts only when the whole cache is full) and
+    ``min_small_blocks``. The defaults are the replay task's.
     """
 
     def __init__(
@@ -75,16 +87,26 @@ class ReferenceS3FIFO(_Pinning):
         promote_at: int = 1,
         small_queue: str = "bounded",
         min_small_blocks: int = 1,
+        ghost_size: str = "main",
+        main_evictions: str = "ghost",
+        on_promote: str = "keep",
     ) -> None:
         self.capacity = capacity
         self.max_freq = max_freq
         self.ghost_admit_freq = ghost_admit_freq
         if sizing == "round":
             self.small_cap = round(capacity * small_ratio)  # banker's rounding
-        else:
+        elif sizing == "floor":
             self.small_cap = int(capacity * small_ratio)
+        else:  # "floor-min-1": never below one block (nor above the capacity)
+            self.small_cap = min(capacity, max(1, int(capacity * small_ratio)))
         self.main_cap = capacity - self.small_cap
-        self.ghost_cap = self.main_cap  # ghost is as large as main, not small
+        # the replay task's ghost is as large as main, not small
+        self.ghost_cap = {"main": self.main_cap, "capacity": capacity, "small": self.small_cap}[
+            ghost_size
+        ]
+        self.ghost_main = main_evictions == "ghost"
+        self.on_promote = on_promote
         self.promote_at = promote_at
         self.when_full = small_queue == "when-full"
         self.min_small_blocks = min_small_blocks
@@ -139,7 +161,7 @@ class ReferenceS3FIFO(_Pinning):
         evicted: list[BlockHash] = []
         if self.is_resident(h):  # in S or in M: the same rule
             self.freq[h] = min(self.freq[h] + 1, self.max_freq)  # saturating
-        elif h in self.G and self._main_can_take():
+        elif h in self.G and self.main_cap > 0 and self._main_can_take():
             del self.G[h]
             self.admit_to_M(h, self.ghost_admit_freq, evicted)
         else:
@@ -177,7 +199,7 @@ class ReferenceS3FIFO(_Pinning):
             vf = self.freq[victim]
             if vf >= self.promote_at or victim in self.pins:  # warm (or pinned): promote
                 if self.main_cap > 0:
-                    self.admit_to_M(victim, vf, evicted)
+                    self.admit_to_M(victim, self.promoted(vf), evicted)
                 else:  # main of size 0: nothing enters main and nothing is ghosted
                     del self.freq[victim]
                     evicted.append(victim)
@@ -203,11 +225,21 @@ class ReferenceS3FIFO(_Pinning):
                 continue
             self.M.popleft()  # exactly one real eviction
             del self.freq[victim]
-            self.insert_to_G(victim)
+            self.evicted_from_M(victim)
             evicted.append(victim)
             break
         self.M.append(h)
         self.freq[h] = f
+
+    def promoted(self, f: int) -> int:
+        """The frequency a block promoted from S carries into M (the declared variant)."""
+        if self.on_promote == "keep":
+            return f
+        return 0 if self.on_promote == "reset" else max(0, f - 1)
+
+    def evicted_from_M(self, h: BlockHash) -> None:
+        if self.ghost_main:
+            self.insert_to_G(h)
 
     def insert_to_G(self, h: BlockHash) -> None:
         if self.ghost_cap == 0:
@@ -252,6 +284,7 @@ class ReferenceS3FIFO(_Pinning):
                     self.M.append(victim)
                     continue
                 del self.freq[victim]
+                self.evicted_from_M(victim)
                 evicted.append(victim)
                 return
             return
@@ -259,7 +292,7 @@ class ReferenceS3FIFO(_Pinning):
             head = self.S.popleft()
             if self.freq[head] >= self.promote_at:
                 self.M.append(head)
-                self.freq[head] = 0
+                self.freq[head] = self.promoted(self.freq[head])
                 continue
             del self.freq[head]
             self.insert_to_G(head)
@@ -287,7 +320,7 @@ class ReferenceS3FIFO(_Pinning):
             if self.main_cap > 0 and self._main_can_take():
                 self.S.popleft()
                 moved: list[BlockHash] = []
-                self.admit_to_M(head, self.freq[head], moved)
+                self.admit_to_M(head, self.promoted(self.freq[head]), moved)
                 if moved:
                     return moved[0]
             elif not pinned:
@@ -306,7 +339,7 @@ class ReferenceS3FIFO(_Pinning):
                 self.M.append(victim)
             else:
                 del self.freq[victim]
-                self.insert_to_G(victim)
+                self.evicted_from_M(victim)
                 return victim
 
     def _drop(self, h: BlockHash) -> None:
@@ -386,6 +419,148 @@ class ReferenceLRU(_Pinning):
 
     def _drop(self, h: BlockHash) -> None:
         del self.last_use[h]
+
+
+class _Queue(_Pinning):
+    """A list of resident blocks, oldest first, and the shared rules of the queue policies:
+    a victim is chosen only among unpinned blocks; if every block is pinned, admission
+    raises `CapacityError` (``applied`` says how many blocks of the call went in) and
+    ``evict`` returns ``None``."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.queue: list[BlockHash] = []  # oldest first
+        self.pins: Counter[BlockHash] = Counter()
+
+    def __contains__(self, h: object) -> bool:
+        return h in self.queue
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+    def resident(self) -> frozenset[BlockHash]:
+        return frozenset(self.queue)
+
+    def resident_prefix(self, blocks: Sequence[BlockHash]) -> int:
+        k = 0
+        while k < len(blocks) and blocks[k] in self.queue:
+            k += 1
+        return k
+
+    def hit(self, h: BlockHash) -> None:
+        raise NotImplementedError
+
+    def victim(self) -> BlockHash:
+        """The block to evict (some block is unpinned)."""
+        raise NotImplementedError
+
+    def admitted(self, h: BlockHash) -> None:
+        self.queue.append(h)
+
+    def _drop(self, h: BlockHash) -> None:
+        self.queue.remove(h)
+
+    def access(self, blocks: Iterable[BlockHash]) -> list[BlockHash]:
+        evicted: list[BlockHash] = []
+        for applied, h in enumerate(blocks):
+            if h in self.queue:
+                self.hit(h)
+                continue
+            if self.capacity == 0:
+                continue
+            if len(self.queue) >= self.capacity:
+                if all(b in self.pins for b in self.queue):
+                    raise CapacityError(f"cannot admit {h!r}", applied=applied)
+                victim = self.victim()
+                self._drop(victim)
+                evicted.append(victim)
+            self.admitted(h)
+        return evicted
+
+    def evict(self) -> BlockHash | None:
+        if all(b in self.pins for b in self.queue):
+            return None
+        victim = self.victim()
+        self._drop(victim)
+        return victim
+
+
+class ReferenceFIFO(_Queue):
+    """FIFO: a hit changes nothing; the victim is the oldest unpinned block (pinned blocks
+    keep their place)."""
+
+    def order(self) -> tuple[BlockHash, ...]:
+        return tuple(self.queue)
+
+    def hit(self, h: BlockHash) -> None:
+        pass
+
+    def victim(self) -> BlockHash:
+        return next(b for b in self.queue if b not in self.pins)
+
+
+class ReferenceLFU(_Queue):
+    """LFU: every block counts its uses since it was admitted (1 at admission); the victim
+    is the unpinned block of the lowest count, the least recently used among equals. A
+    block's count is forgotten when it leaves."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.count: dict[BlockHash, int] = {}
+        self.last_use: dict[BlockHash, int] = {}
+        self._clock = itertools.count()
+
+    def hit(self, h: BlockHash) -> None:
+        self.count[h] += 1
+        self.last_use[h] = next(self._clock)
+
+    def admitted(self, h: BlockHash) -> None:
+        super().admitted(h)
+        self.count[h] = 1
+        self.last_use[h] = next(self._clock)
+
+    def victim(self) -> BlockHash:
+        free = [b for b in self.queue if b not in self.pins]
+        return min(free, key=lambda b: (self.count[b], self.last_use[b]))
+
+    def _drop(self, h: BlockHash) -> None:
+        super()._drop(h)
+        del self.count[h], self.last_use[h]
+
+
+class ReferenceSIEVE(_Queue):
+    """SIEVE (Zhang et al., NSDI '24): a FIFO queue with a visited bit and a hand. A hit
+    sets the block's bit; a new block enters as the newest, unvisited. To evict, the hand
+    walks from where it stopped (first: the oldest block) toward the newest, wrapping around
+    to the oldest: a visited block has its bit cleared and is passed, a pinned one is
+    passed as it is; the first unvisited, unpinned block is evicted and the hand stays at
+    the block newer than it."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.visited: set[BlockHash] = set()
+        self.hand: BlockHash | None = None  # None: start from the oldest
+
+    def hit(self, h: BlockHash) -> None:
+        self.visited.add(h)
+
+    def victim(self) -> BlockHash:
+        i = self.queue.index(self.hand) if self.hand is not None else 0
+        while True:
+            h = self.queue[i]
+            if h in self.visited:
+                self.visited.discard(h)
+            elif h not in self.pins:
+                self.hand = h  # dropping it moves the hand on to the next newer block
+                return h
+            i = (i + 1) % len(self.queue)
+
+    def _drop(self, h: BlockHash) -> None:
+        i = self.queue.index(h)
+        if self.hand == h:  # (an explicit removal at the hand moves it on, too)
+            self.hand = self.queue[i + 1] if i + 1 < len(self.queue) else None
+        self.queue.pop(i)
+        self.visited.discard(h)
 
 
 class ReferenceReplay:

@@ -44,15 +44,17 @@ import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
-from hypothesis import assume
 from hypothesis import note as _hypothesis_note
 from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from ._adapter import ALPHABET, chunk_tokens, label, name_of, semantics_of
-from ._declare import SchedulerSemantics, Unsupported
+from prefixflight.core import UsageError
+
+from ._adapter import ALPHABET, NO_OP, chunk_tokens, configs_of, label, name_of, semantics_of
+from ._declare import SchedulerSemantics
 from ._sched_adapter import Delivery, ScheduledRow, SchedulerLimits, SchedulerPages
+from ._strategies import draw_supported
 from .adapters._prefixflight import PrefixflightSchedulerAdapter
 
 __all__ = ["SchedulerConformance", "sampled_token"]
@@ -76,6 +78,24 @@ def sampled_token(sequence: Sequence[int]) -> int:
     """The token the machine's runner samples after ``sequence`` (a function of the
     sequence only: identical prompts decode alike)."""
     return (sequence[-1] + len(sequence)) % 4
+
+
+def _limits(machine: type[SchedulerConformance]) -> st.SearchStrategy[SchedulerLimits]:
+    """The limits a scheduler is built with: block size, pages, batch bounds, policy."""
+
+    @st.composite
+    def limits(draw: st.DrawFn) -> SchedulerLimits:
+        bs = draw(machine.block_sizes, label="block_size")
+        max_running = draw(st.integers(1, 4), label="max_running")
+        return SchedulerLimits(
+            block_size=bs,
+            pages=draw(st.integers(2, _max_pages(bs)), label="pages"),
+            max_running=max_running,
+            max_batch_tokens=draw(st.integers(max_running, 3 * bs), label="max_batch_tokens"),
+            policy=draw(st.sampled_from(sorted(machine.semantics.policies)), label="policy"),
+        )
+
+    return limits()
 
 
 def _max_pages(block_size: int) -> int:
@@ -111,8 +131,9 @@ class SchedulerConformance(RuleBasedStateMachine):
         """
         declared = semantics or semantics_of(factory) or SchedulerSemantics()
         if not isinstance(declared, SchedulerSemantics):
-            raise TypeError(f"semantics must be a SchedulerSemantics, got {declared!r}")
+            raise UsageError(f"semantics must be a SchedulerSemantics, got {declared!r}")
         body: dict[str, Any] = {"factory": staticmethod(factory), "semantics": declared}
+        block_sizes = block_sizes if block_sizes is not None else configs_of(factory)
         if block_sizes is not None:
             body["block_sizes"] = block_sizes
         return type(f"{cls.__name__}_{name_of(factory)}", (cls,), body)
@@ -139,24 +160,7 @@ class SchedulerConformance(RuleBasedStateMachine):
     # -- set-up --------------------------------------------------------------------------
     @initialize(data=st.data())
     def start(self, data: st.DataObject) -> None:
-        sem = type(self).semantics
-        bs = data.draw(type(self).block_sizes, label="block_size")
-        max_running = data.draw(st.integers(1, 4), label="max_running")
-        budget = data.draw(st.integers(max_running, 3 * bs), label="max_batch_tokens")
-        pages = data.draw(st.integers(2, _max_pages(bs)), label="pages")
-        policy = data.draw(st.sampled_from(sorted(sem.policies)), label="policy")
-        limits = SchedulerLimits(
-            block_size=bs,
-            pages=pages,
-            max_running=max_running,
-            max_batch_tokens=budget,
-            policy=policy,
-        )
-        try:
-            self._begin(limits)
-        except Unsupported as exc:
-            note(f"unsupported: {exc}")
-            assume(False)
+        draw_supported(data, _limits(type(self)), self._begin, label="limits")
 
     def _begin(self, limits: SchedulerLimits) -> None:
         """A fresh scheduler for ``limits`` (the rules' helpers ``_add``, ``_schedule``,
@@ -277,6 +281,7 @@ class SchedulerConformance(RuleBasedStateMachine):
     def abort(self, data: st.DataObject, now: int, started: bool) -> None:
         """A client goes away (``started``: one whose request has run, if any has)."""
         if now:
+            note(NO_OP)
             return
         pick = sorted(self.live & self.seen) if started else []
         self._abort(data.draw(st.sampled_from(pick or sorted(self.live)), label="request"))
@@ -295,6 +300,7 @@ class SchedulerConformance(RuleBasedStateMachine):
     def drain(self, now: int) -> None:
         """Liveness: with arrivals stopped, everything finishes within a bound of steps."""
         if now:
+            note(NO_OP)
             return
         if self.rows is not None:
             self._complete()

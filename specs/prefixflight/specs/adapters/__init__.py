@@ -15,15 +15,18 @@ without Hypothesis). ``prefixflight conform ENGINE`` runs them; so can you::
 - `VLLMAdapter`: vLLM's v1 ``KVCacheManager`` (and its ``BlockPool``);
 - `VLLMSchedulerAdapter`: vLLM's v1 ``Scheduler``, driven without a model;
 - `SGLangAdapter`: SGLang's ``RadixCache`` with page size 16 and a simulated allocator;
-- `LibCacheSimS3FIFO`, `LibCacheSimLRU`: libCacheSim's policies (run them `isolated`).
+- `LibCacheSimS3FIFO`, `LibCacheSimLRU`: libCacheSim's policies (run them `isolated`);
+- `ReplicaIndexAdapter`: prefixflight's router index (`ReplicaBlockIndex`) under
+  `KVIndexConformance`, fed a reference engine's KV events.
 
-The adapters take ``impl=`` (``pool_cls=``, ``scheduler_cls=`` for ours): a drop-in
+The adapters take ``impl=`` (``pool_cls=``, ``scheduler_cls=``, ``index_cls=`` for ours): a drop-in
 replacement for the engine's class, built with exactly the original's arguments, to check a
 fork.
 """
 
 from __future__ import annotations
 
+from ._kv_index import ReplicaIndexAdapter
 from ._libcachesim import LibCacheSimLRU, LibCacheSimS3FIFO, libcachesim_s3fifo_configs
 from ._prefixflight import PagePoolAdapter, PrefixflightSchedulerAdapter
 from ._sglang import SGLangAdapter, stub_torchvision
@@ -35,6 +38,7 @@ __all__ = [
     "LibCacheSimS3FIFO",
     "PagePoolAdapter",
     "PrefixflightSchedulerAdapter",
+    "ReplicaIndexAdapter",
     "SGLangAdapter",
     "VLLMAdapter",
     "VLLMSchedulerAdapter",

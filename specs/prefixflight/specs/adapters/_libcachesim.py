@@ -84,7 +84,8 @@ class _LibCacheSimPolicy:
 class LibCacheSimS3FIFO(_LibCacheSimPolicy):
     """libCacheSim's ``S3FIFO`` for a config of `S3FIFOConformance`.
 
-    The ghost queue is sized to the main queue's size, as the replay task's; ``max_freq``
+    The ghost queue is sized to the main queue's size, as the replay task's (only small-queue
+    evictions enter it, and a promoted object starts over at frequency 0); ``max_freq``
     must be 3 and ``ghost_admit_freq`` 0 (libCacheSim's fixed values). Configs whose small or
     main queue would hold no block are `Unsupported`: ``S3FIFO.c``'s ``S3FIFO_init`` aborts
     the process for them. ``impl`` replaces ``libcachesim.S3FIFO`` (same arguments).
@@ -94,6 +95,8 @@ class LibCacheSimS3FIFO(_LibCacheSimPolicy):
         ops=frozenset({"remove", "evict"}),
         evictions="observed",
         sizing="floor",
+        main_evictions="drop",
+        on_promote="reset",
         promote_at=2,
         small_queue="when-full",
         min_small_blocks=2,

