@@ -71,4 +71,6 @@ def test_the_design_page_names_every_extra_and_what_all_leaves_out() -> None:
     paragraph = " ".join(paragraph.split())
     assert sorted(set(re.findall(r"`([a-z]+)`", paragraph))) == sorted(extras), paragraph
     left_out = sorted(set(extras) - {"all", *in_all.group(1).split(",")})
-    assert f"every extra but {' and '.join(f'`{e}`' for e in left_out)}." in paragraph
+    named = [f"`{e}`" for e in left_out]
+    listed = f"{', '.join(named[:-1])} and {named[-1]}" if len(named) > 1 else named[0]
+    assert f"every extra but {listed}." in paragraph, paragraph

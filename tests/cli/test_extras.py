@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from prefixflight.cli import main
-from prefixflight.cli._extras import install_command
+from prefixflight.core._extras import install_command
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -79,6 +79,14 @@ def test_the_ray_flags_name_the_ray_extra(
     assert main(["serve", "--replicas", "1", "--model", "tiny"]) == 1
     err = capsys.readouterr().err
     assert "--replicas needs the ray extra" in err and install_command("ray") in err, err
+
+
+def test_the_conformance_kit_names_the_command_that_installs_the_extras() -> None:
+    pytest.importorskip("hypothesis")
+    from prefixflight.specs._conform import _not_installed
+
+    message = _not_installed("prefixflight", ImportError("No module named 'fastapi'"))
+    assert f"`{install_command('all')}`" in message, message
 
 
 def test_no_source_spells_an_install_from_the_package_index() -> None:

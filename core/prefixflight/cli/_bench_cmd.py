@@ -15,8 +15,9 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+from prefixflight.core._extras import missing_extra
+
 from ._args import at_least, output_file
-from ._extras import missing_extra
 from ._io import write_atomic, write_stdout
 from ._progress import progress
 

@@ -24,9 +24,9 @@ import sys
 from typing import Any
 
 from prefixflight.core import UsageError
+from prefixflight.core._extras import missing_extra
 
 from ._args import at_least, output_file
-from ._extras import missing_extra
 from ._io import write_atomic, write_stdout
 
 __all__ = ["format_report", "register", "run"]

@@ -15,9 +15,9 @@ import sys
 from typing import Any
 
 from prefixflight.core import BurstConfig, ConfigError, UsageError
+from prefixflight.core._extras import missing_extra
 
 from ._args import at_least, port, positive_float
-from ._extras import missing_extra
 from ._serve_cmd import add_access_arguments, api_keys
 
 __all__ = ["register", "run"]

@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 from prefixflight.core import ReleasePolicy, UsageError
+from prefixflight.core._extras import missing_extra
 
 from ._args import at_least, non_negative_float, port, positive_float
 from ._bench_cmd import add_dtype_argument, prepare_torch_process
-from ._extras import missing_extra
 from ._serve_ray_cmd import RAY_DEFAULTS, add_ray_arguments, as_given, ray_flags_given, run_ray
 
 T = TypeVar("T")

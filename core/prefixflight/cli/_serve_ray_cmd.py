@@ -16,9 +16,9 @@ import argparse
 from typing import Any
 
 from prefixflight.core import UsageError
+from prefixflight.core._extras import missing_extra
 
 from ._args import at_least
-from ._extras import missing_extra
 
 __all__ = ["RAY_DEFAULTS", "add_ray_arguments", "as_given", "ray_flags_given", "run_ray"]
 

@@ -17,10 +17,10 @@ from typing import Any
 import attrs
 
 from prefixflight.core import PrefixflightError, ReplayConfig, UsageError, replay
+from prefixflight.core._extras import missing_extra
 from prefixflight.core.cache import CurvePoint, LRUCurve, auto_capacities
 
 from ._args import at_least, output_file, ratio, usage_errors
-from ._extras import missing_extra
 from ._io import atomic_path, read_trace, write_atomic, write_stdout
 from ._progress import progress
 

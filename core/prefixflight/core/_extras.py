@@ -1,10 +1,11 @@
-"""What a command says when an optional dependency is missing: which extra brings it, and the
-command that installs it. prefixflight is not on the package index: an extra installs from
-the clone's root, as an editable install (``pip install -e '.[serve]'``)."""
+"""What prefixflight says when an optional dependency is missing: which extra brings it, and
+the command that installs it. prefixflight is not on the package index: an extra installs
+from the clone's root, as an editable install (``pip install -e '.[serve]'``). Here, in the
+core, so that every package (the CLI, the specs) words it the same way."""
 
 from __future__ import annotations
 
-from prefixflight.core import UsageError
+from ._errors import UsageError
 
 __all__ = ["TORCH_WHEEL", "install_command", "missing_extra"]
 
