@@ -53,8 +53,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             "flight, continuous batching) behind /v1/completions, /v1/chat/completions, "
             "/v1/models, /health, /tokenize and Prometheus /metrics. Binds loopback by default."
         ),
-        usage="%(prog)s [--model {smollm2,tiny}] [--port PORT] [OPTIONS]\n"
-        "       %(prog)s --replicas N [--model {smollm2,tiny}] [RAY SERVE OPTIONS]",
+        usage="%(prog)s [--model MODEL] [--port PORT] [OPTIONS]\n"
+        "       %(prog)s --replicas N [--model smollm2|tiny] [RAY SERVE OPTIONS]",
     )
     p.add_argument(
         "--model",
