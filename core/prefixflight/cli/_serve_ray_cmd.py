@@ -131,7 +131,7 @@ def run_ray(args: argparse.Namespace) -> int:
         raise UsageError(f"--residency {args.residency} needs --router burst")
     try:
         import ray.serve  # noqa: F401
-    except ImportError as exc:  # pragma: no cover - depends on the install
+    except ImportError as exc:
         raise missing_extra("--replicas", "ray", exc) from None
     import asyncio
     import threading
