@@ -1,14 +1,16 @@
 """Start ``prefixflight serve`` from this checkout on a free loopback port, as a subprocess.
 
-Used by ``benchmarks/hostile_probe.py`` and ``tests/serve/fuzz_server.py`` (which loads it
-by path, as the tests load ``benchmarks/vllm/launch.py``). The checkout's four source roots
-go first on ``PYTHONPATH``, so the server runs this code whatever the venv has installed.
+Used by ``benchmarks/hostile_probe.py``, ``tests/serve/fuzz_server.py`` and
+``tests/test_docs.py`` (which load it by path, as the tests load
+``benchmarks/vllm/launch.py``). The checkout's four source roots go first on ``PYTHONPATH``,
+so the server runs this code whatever the venv has installed.
 """
 
 from __future__ import annotations
 
 import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -16,6 +18,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+_READERS: dict[int, threading.Thread] = {}  # pid -> the thread that reads its stderr
 
 
 def start_serve(
@@ -47,7 +50,9 @@ def start_serve(
             lines.put(line)
             log.append(line)
 
-    threading.Thread(target=read, daemon=True).start()
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    _READERS[proc.pid] = reader
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -57,3 +62,21 @@ def start_serve(
             raise SystemExit(f"the server did not start: {''.join(log)}") from None
         if " on http://" in line:
             return proc, line.split(" on ")[1].split()[0], log
+
+
+def stop_serve(proc: subprocess.Popen[str], *, timeout: float = 60) -> int:
+    """Stop a server `start_serve` started as Ctrl-C does (SIGINT; killed after ``timeout``
+    seconds), let its stderr reader finish, close the pipe; the exit status."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        reader = _READERS.pop(proc.pid, None)
+        if reader is not None:
+            reader.join(timeout=30)  # EOF once the process is gone
+        if proc.stderr is not None:
+            proc.stderr.close()
+    return proc.returncode

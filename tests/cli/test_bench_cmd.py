@@ -73,7 +73,7 @@ def test_without_torch_the_commands_fail_cleanly(
     monkeypatch.setitem(sys.modules, "torch", None)  # import torch -> ImportError
     assert main(["demo", "-q"]) == 1
     err = capsys.readouterr().err
-    assert "prefixflight[torch]" in err and "Traceback" not in err
+    assert "pip install -e '.[torch]'" in err and "Traceback" not in err
 
 
 def _demo_report() -> dict[str, object]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -48,14 +49,18 @@ def cli(
 
 
 def one_line_error(proc: subprocess.CompletedProcess[bytes], status: int, *fragments: str) -> str:
+    """The error line; a usage error (status 2) is followed by one line pointing to --help."""
     err = proc.stderr.decode()
     assert proc.returncode == status, err
     assert "Traceback" not in err
     lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 or (status == 2 and lines[-1].startswith("prefixflight")), err
+    if status == 2:
+        assert len(lines) == 2 and re.fullmatch(r"Try '.+ --help' for the usage\.", lines[1]), err
+    else:
+        assert len(lines) == 1, err
     for fragment in fragments:
-        assert fragment in lines[-1], (fragment, err)
-    return lines[-1]
+        assert fragment in lines[0], (fragment, err)
+    return lines[0]
 
 
 # -- one line, no traceback------------------------------------------------------------------
@@ -231,6 +236,17 @@ def test_non_finite_timestamps_are_rejected_naming_the_field(
     trace.write_text(f'{{"timestamp": {value}, "input_length": 5, "hash_ids": [1]}}\n')
     assert main(["replay", str(trace), "--capacity-blocks", "8"]) == 1
     assert f"{trace}:1: field 'timestamp': must be finite" in capsys.readouterr().err
+
+
+def test_a_usage_error_is_the_error_and_a_pointer_to_help_not_the_usage() -> None:
+    proc = cli("serve", "--port", "70000")
+    assert proc.stderr.decode().splitlines() == [
+        "prefixflight serve: error: argument --port: a port is at most 65535, got '70000'",
+        "Try 'prefixflight serve --help' for the usage.",
+    ]
+    proc = cli("bench")  # a command with sub-commands points to its own --help
+    one_line_error(proc, 2, "prefixflight bench: error: the following arguments are required")
+    assert "Try 'prefixflight bench --help'" in proc.stderr.decode()
 
 
 def test_an_empty_output_path_is_a_usage_error() -> None:

@@ -109,3 +109,17 @@ def test_the_top_level_help_still_lists_every_command(capsys: pytest.CaptureFixt
         main(["--help"])
     out = capsys.readouterr().out
     assert all(name in out for name in COMMANDS)
+
+
+def test_every_torch_command_describes_the_dtype_default_the_backend_picks(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # resolve_dtype(None, device): bf16 on CUDA and on CPUs with native bf16, else fp32
+    for argv in (["demo"], ["bench", "ttft"], ["bench", "calibrate"], ["serve"]):
+        with pytest.raises(SystemExit):
+            main([*argv, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert (
+            "--dtype DTYPE bfloat16, float32 or float16 (default: bfloat16 on CUDA and on CPUs "
+            "with native bf16, AVX512-BF16 or AMX; float32 on other CPUs)" in text
+        ), argv

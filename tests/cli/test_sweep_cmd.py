@@ -89,6 +89,20 @@ def test_auto_capacities_end_at_the_distinct_block_count(tmp_path: Path) -> None
     assert doc["curves"]["lru"][-1]["final_cache_blocks"] == distinct
 
 
+def test_the_help_says_which_capacities_auto_sweeps(capsys: pytest.CaptureFixture[str]) -> None:
+    import inspect
+
+    from prefixflight.core.cache import auto_capacities
+
+    defaults = inspect.signature(auto_capacities).parameters
+    points, smallest = defaults["points"].default, defaults["smallest"].default
+    with pytest.raises(SystemExit):
+        main(["sweep", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"'auto': about {points} log-spaced from {smallest} blocks up to the trace's" in text
+    assert "every capacity" not in text
+
+
 def test_plot_writes_a_png(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     trace = tmp_path / "t.jsonl"

@@ -1,9 +1,10 @@
 """Argument parsing shared by every command: help that shows defaults, checked flag values.
 
-An invalid flag value is a usage error: argparse prints it with the command's usage and
-exits 2. The value checks below are argparse ``type=`` functions, so they run before any
-command starts; a constraint between flags is checked with `usage_errors`, which turns the
-`ConfigError` of a configuration built from flags into the same exit 2.
+An invalid flag value is a usage error: the error and a pointer to the command's ``--help``
+on stderr (not the usage, which runs to 20 lines for some commands), exit 2. The value checks
+below are argparse ``type=`` functions, so they run before any command starts; a constraint
+between flags is checked with `usage_errors`, which turns the `ConfigError` of a
+configuration built from flags into the same exit 2.
 """
 
 from __future__ import annotations
@@ -50,11 +51,16 @@ _NAMES_DEFAULT = re.compile(r"\bdefault\b", re.IGNORECASE)
 
 
 class Parser(argparse.ArgumentParser):
-    """An `ArgumentParser` whose help shows defaults; sub-parsers inherit the class."""
+    """An `ArgumentParser` whose help shows defaults and whose usage errors are short;
+    sub-parsers inherit the class."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("formatter_class", Formatter)
         super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        """A usage error: ``PROG: error: MESSAGE`` and where the flags are described, exit 2."""
+        self.exit(2, f"{self.prog}: error: {message}\nTry '{self.prog} --help' for the usage.\n")
 
 
 class VersionAction(argparse.Action):
@@ -152,7 +158,7 @@ def output_file(text: str) -> str:
 @contextmanager
 def usage_errors(parser: argparse.ArgumentParser) -> Iterator[None]:
     """Inside: a `PrefixflightError` (a configuration built from flags rejected its values)
-    becomes a usage error of ``parser``: its message and usage on stderr, exit 2."""
+    becomes a usage error of ``parser``: its message on stderr, exit 2."""
     try:
         yield
     except PrefixflightError as exc:

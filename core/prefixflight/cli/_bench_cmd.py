@@ -15,13 +15,14 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from prefixflight.core import UsageError
+from prefixflight.core._extras import missing_extra
 
 from ._args import at_least, output_file
 from ._io import write_atomic, write_stdout
 from ._progress import progress
 
 __all__ = [
+    "add_dtype_argument",
     "backend",
     "emit",
     "measure_ttft",
@@ -54,12 +55,21 @@ def _experiments(value: str) -> tuple[str, ...]:
     return names
 
 
+def add_dtype_argument(p: argparse._ActionsContainer) -> None:
+    """``--dtype`` (``bench``, ``demo``, ``serve``); the default is the backend's
+    ``resolve_dtype``, which this help describes."""
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="bfloat16, float32 or float16 (default: bfloat16 on CUDA and on CPUs with native "
+        "bf16, AVX512-BF16 or AMX; float32 on other CPUs)",
+    )
+
+
 def add_model_options(p: argparse.ArgumentParser) -> None:
     """Options shared by ``bench ttft`` and ``demo``."""
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
-    p.add_argument(
-        "--dtype", default=None, help="float32 (the CPU default) or bfloat16 (the CUDA default)"
-    )
+    add_dtype_argument(p)
     p.add_argument(
         "--threads",
         type=at_least(1),
@@ -161,9 +171,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="decode batch sizes",
     )
     c.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
-    c.add_argument(
-        "--dtype", default=None, help="float32 (the CPU default) or bfloat16 (the CUDA default)"
-    )
+    add_dtype_argument(c)
     c.add_argument("--threads", type=at_least(1), default=2, metavar="N", help="torch CPU threads")
     c.add_argument(
         "--json", type=output_file, metavar="FILE", help="also write the report as JSON here"
@@ -196,10 +204,7 @@ def backend() -> ModuleType:
         import prefixflight.backends.torch  # noqa: F401  (a clear error if the extra is missing)
         from prefixflight.cli import _bench
     except ImportError as exc:
-        raise UsageError(
-            f"this command needs the torch backend ({exc}); install it with "
-            "`pip install torch==2.13.0 'prefixflight[torch]'`"
-        ) from None
+        raise missing_extra("this command", "torch", exc) from None
     return _bench
 
 

@@ -24,6 +24,7 @@ import sys
 from typing import Any
 
 from prefixflight.core import UsageError
+from prefixflight.core._extras import missing_extra
 
 from ._args import at_least, output_file
 from ._io import write_atomic, write_stdout
@@ -125,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         from prefixflight.specs import _conform
     except ImportError as exc:
-        parser.error(f"needs the specs extra (pip install 'prefixflight[specs]'): {exc}")
+        parser.error(str(missing_extra("`prefixflight conform`", "specs", exc)))
     try:
         impl = _conform.load_class(args.impl) if args.impl else None
         report = _conform.conform(

@@ -42,7 +42,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The CLI's parser; with ``only``, just that command (the others are not imported)."""
     parser = Parser(
         prog="prefixflight",
-        description="Prefix caching done exactly: replay traces, simulate, benchmark.",
+        description="Prefix caching done exactly: replay traces, simulate, benchmark, serve a "
+        "model, route requests across engines, check an engine against the spec.",
     )
     parser.add_argument("--version", action=VersionAction)
     sub = cast(

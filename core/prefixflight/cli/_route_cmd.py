@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from prefixflight.core import BurstConfig, ConfigError, UsageError
+from prefixflight.core._extras import missing_extra
 
 from ._args import at_least, port, positive_float
 from ._serve_cmd import add_access_arguments, api_keys
@@ -235,10 +236,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         from prefixflight.serve import route
     except ImportError as exc:
-        raise UsageError(
-            f"`prefixflight route` needs the serve extra ({exc}); install it with "
-            "`pip install 'prefixflight[serve]'`"
-        ) from None
+        raise missing_extra("`prefixflight route`", "serve", exc) from None
     try:
         config = route.RouteConfig(
             backends=tuple(

@@ -17,13 +17,14 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from prefixflight.core import ReleasePolicy, UsageError
+from prefixflight.core._extras import missing_extra
 
 from ._args import at_least, non_negative_float, port, positive_float
-from ._bench_cmd import prepare_torch_process
-from ._serve_ray_cmd import add_ray_arguments, run_ray
+from ._bench_cmd import add_dtype_argument, prepare_torch_process
+from ._serve_ray_cmd import RAY_DEFAULTS, add_ray_arguments, as_given, ray_flags_given, run_ray
 
 T = TypeVar("T")
 
@@ -39,6 +40,8 @@ __all__ = [
 MODELS = ("smollm2", "tiny")
 KV_LOOPBACK = "tcp://127.0.0.1:*"  # a free loopback port
 RELEASE_POLICIES = tuple(p.value for p in ReleasePolicy)
+# what the replicas read too, and the CLI's own entries: the rest only the HTTP server reads
+_NOT_HTTP_ONLY = ("replicas", "model", "command", "func", "parser")
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -50,6 +53,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             "flight, continuous batching) behind /v1/completions, /v1/chat/completions, "
             "/v1/models, /health, /tokenize and Prometheus /metrics. Binds loopback by default."
         ),
+        usage="%(prog)s [--model MODEL] [--port PORT] [OPTIONS]\n"
+        "       %(prog)s --replicas N [--model smollm2|tiny] [RAY SERVE OPTIONS]",
     )
     p.add_argument(
         "--model",
@@ -58,35 +63,44 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="smollm2: the bundled SmolLM2-135M-Instruct; tiny: a random-weight 2-layer Llama "
         "with a character codec (the quickest way to try the server; also with --replicas)",
     )
-    p.add_argument(
+    http = p.add_argument_group("the HTTP server")
+    http.add_argument(
         "--served-model-name",
         metavar="NAME",
         help="the name clients use (default: the model's name, SmolLM2-135M-Instruct)",
     )
-    p.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1 (loopback only)")
-    p.add_argument("--port", type=port, default=8000, help="default 8000; 0 picks a free port")
-    p.add_argument(
+    http.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1 (loopback only)")
+    http.add_argument("--port", type=port, default=8000, help="default 8000; 0 picks a free port")
+    http.add_argument(
+        "--log-level",
+        choices=("critical", "error", "warning", "info", "debug"),
+        default="warning",
+        help="uvicorn's log level (default warning)",
+    )
+    http.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    engine = p.add_argument_group("the engine")
+    engine.add_argument(
         "--num-pages",
         type=at_least(1),
         default=512,
         metavar="N",
         help="KV pool pages (default 512)",
     )
-    p.add_argument(
+    engine.add_argument(
         "--block-size",
         type=at_least(1),
         default=16,
         metavar="B",
         help="tokens per page and cached block (default 16)",
     )
-    p.add_argument(
+    engine.add_argument(
         "--release-policy",
         choices=RELEASE_POLICIES,
         default="after_prefill",
         metavar="POLICY",
         help="single flight: after_prefill (default), on_completion or independent (off)",
     )
-    p.add_argument(
+    engine.add_argument(
         "--min-shared-blocks",
         type=at_least(1),
         default=None,
@@ -94,29 +108,39 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="also share a flight's prefix with requests that share K leading "
         "blocks (default: identical prompts only)",
     )
-    p.add_argument(
+    engine.add_argument(
         "--max-running",
         type=at_least(1),
         default=16,
         metavar="N",
         help="requests decoding at once (default 16)",
     )
-    p.add_argument(
+    engine.add_argument(
         "--max-waiting",
         type=at_least(0),
         default=64,
         metavar="N",
         help="requests that may queue beyond --max-running before 429 (default 64)",
     )
-    p.add_argument(
+    engine.add_argument(
         "--max-batch-tokens",
         type=at_least(1),
         default=1024,
         metavar="N",
         help="tokens per engine step (default 1024)",
     )
-    p.add_argument("--eviction", choices=("lru", "s3fifo"), default="lru", help="default lru")
-    p.add_argument(
+    engine.add_argument("--eviction", choices=("lru", "s3fifo"), default="lru", help="default lru")
+    engine.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    add_dtype_argument(engine)
+    engine.add_argument(
+        "--threads",
+        type=at_least(1),
+        default=None,
+        metavar="N",
+        help="torch CPU threads (default: torch's choice)",
+    )
+    kv = p.add_argument_group("KV events (docs/kv-events.md)")
+    kv.add_argument(
         "--kv-events",
         nargs="?",
         const=KV_LOOPBACK,
@@ -126,9 +150,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "connect: an endpoint with '*' or '::', an ipc:// one or port 0 is bound "
         "(tcp://*:5557 binds every interface), any other is connected (tcp://HOST:5557 "
         "sends to a subscriber that binds there). The events carry the token ids of every "
-        "tenant's prompts: see --kv-events-token-ids and docs/kv-events.md",
+        "tenant's prompts: see --kv-events-token-ids",
     )
-    p.add_argument(
+    kv.add_argument(
         "--kv-events-replay",
         nargs="?",
         const=KV_LOOPBACK,
@@ -137,14 +161,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "bound (alone: a free loopback port); anyone who reaches it can read the buffered "
         "events",
     )
-    p.add_argument(
+    kv.add_argument(
         "--kv-events-encoding",
         choices=("map", "array"),
         default="map",
         help="with --kv-events: map is vLLM 0.32's form (tagged maps); array is the "
         "positional form of vLLM before PR #42892, for older consumers",
     )
-    p.add_argument(
+    kv.add_argument(
         "--kv-events-token-ids",
         choices=("on", "off"),
         default="on",
@@ -152,31 +176,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "hashes only): subscribers then key blocks by this server's hashes, and an indexer "
         "that rebuilds keys from tokens (llm-d's) cannot",
     )
-    p.add_argument(
+    kv.add_argument(
         "--kv-events-pod",
         metavar="NAME",
         help="with --kv-events: the pod in the topic kv@POD@MODEL (default: this host's name)",
     )
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
-    p.add_argument(
-        "--dtype",
-        default=None,
-        help="bfloat16 (default on CUDA and on CPUs with native bf16) or float32 (elsewhere)",
-    )
-    p.add_argument(
-        "--threads",
-        type=at_least(1),
-        default=None,
-        metavar="N",
-        help="torch CPU threads (default: torch's choice)",
-    )
-    p.add_argument(
-        "--log-level",
-        choices=("critical", "error", "warning", "info", "debug"),
-        default="warning",
-        help="uvicorn's log level (default warning)",
-    )
-    p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     add_access_arguments(p)
     add_ray_arguments(p)
     p.set_defaults(func=run, parser=p)
@@ -328,25 +332,42 @@ def _imports() -> tuple[Any, Any]:
     try:
         from prefixflight.serve import http
     except ImportError as exc:
-        raise UsageError(
-            f"`prefixflight serve` needs the serve extra ({exc}); install it with "
-            "`pip install 'prefixflight[serve]'`"
-        ) from None
+        raise missing_extra("`prefixflight serve`", "serve", exc) from None
     try:
         from prefixflight.backends import torch as backend
     except ImportError as exc:
-        raise UsageError(
-            f"`prefixflight serve` needs the torch backend ({exc}); install it with "
-            "`pip install torch==2.13.0 'prefixflight[torch]'`"
-        ) from None
+        raise missing_extra("`prefixflight serve`", "torch", exc) from None
     return http, backend
+
+
+def _refuse(parser: argparse.ArgumentParser, flags: list[str], scope: str) -> NoReturn:
+    """The usage error for ``flags`` given where they do not apply: they apply only SCOPE."""
+    verb = "applies" if len(flags) == 1 else "apply"
+    parser.error(f"{', '.join(flags)} {verb} only {scope}")
 
 
 def run(args: argparse.Namespace) -> int:
     parser: argparse.ArgumentParser = args.parser
     if args.replicas is not None:
+        single_server = [  # what the HTTP server reads, and the replicas do not
+            as_given(dest, value)
+            for dest, value in vars(args).items()
+            if dest not in (*RAY_DEFAULTS, *_NOT_HTTP_ONLY) and value != parser.get_default(dest)
+        ]
+        if single_server:
+            _refuse(
+                parser,
+                single_server,
+                f"to the HTTP server, not with --replicas {args.replicas} (the replicas take "
+                "--model and the Ray Serve flags)",
+            )
         prepare_torch_process()
         return run_ray(args)
+    ray_flags = ray_flags_given(args)
+    if ray_flags:
+        max_tokens = "; the HTTP server takes max_tokens from each request"
+        scope = "with --replicas N (Ray Serve replicas)"
+        _refuse(parser, ray_flags, scope + (max_tokens if args.max_tokens is not None else ""))
     if args.max_batch_tokens < args.max_running:
         parser.error(
             f"--max-batch-tokens ({args.max_batch_tokens}) must be >= --max-running "
@@ -366,15 +387,14 @@ def run(args: argparse.Namespace) -> int:
             "--kv-events-pod need --kv-events"
         )
     keys = api_keys(args)  # a bad keys file fails before any model loads
-    http, backend = _imports()
-
-    try:
+    try:  # and a port in use before the imports (seconds) and the model load
         sock = socket.create_server((args.host, args.port))
     except OSError as exc:
-        raise UsageError(
-            f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}"
-        ) from None
+        # create_server appends "(while attempting to bind on address ...)": said already
+        reason = (exc.strerror or str(exc)).split(" (while attempting")[0]
+        raise UsageError(f"cannot listen on {args.host}:{args.port}: {reason}") from None
     with sock:
+        http, backend = _imports()
 
         def load() -> tuple[Any, Any, str, Any]:
             if args.threads is not None:

@@ -16,67 +16,112 @@ import argparse
 from typing import Any
 
 from prefixflight.core import UsageError
+from prefixflight.core._extras import missing_extra
 
 from ._args import at_least
 
-__all__ = ["add_ray_arguments", "run_ray"]
+__all__ = ["RAY_DEFAULTS", "add_ray_arguments", "as_given", "ray_flags_given", "run_ray"]
 
 ROUTER_CHOICES = ("burst", "prefix", "pow2")
 RESIDENCY_CHOICES = ("none", "stats", "kv_events")
+RAY_DEFAULTS: dict[str, object] = {
+    "router": "burst",
+    "window_ms": 100,
+    "residency": "none",
+    "num_cpus": None,
+    "torch_threads": None,
+    "burst": 8,
+    "max_tokens": 8,
+    "keep": False,
+}
+"""The flags that only apply with ``--replicas``, by destination, and their defaults. The
+parser leaves them ``None`` when not given (`ray_flags_given`); `run_ray` fills these in."""
 
 
 def add_ray_arguments(p: argparse.ArgumentParser) -> None:
-    """The Ray Serve flags."""
-    g = p.add_argument_group("Ray Serve (extra 'ray')")
+    """``--replicas`` and the flags that only apply with it, in a group of their own."""
+    d = RAY_DEFAULTS
+    g = p.add_argument_group(
+        "Ray Serve replicas (extra 'ray'): the flags after --replicas apply only with it"
+    )
     g.add_argument(
         "--replicas",
         type=at_least(1),
         default=None,
         metavar="N",
-        help="run N engine replicas on a local Ray Serve instead of one HTTP server",
+        help="run N engine replicas on a local Ray Serve, send one burst of identical prompts "
+        "and print where each landed, instead of running one HTTP server",
     )
     g.add_argument(
         "--router",
         choices=ROUTER_CHOICES,
-        default="burst",
         help="burst: prefixflight's burst router; prefix: Ray's PrefixCacheAffinityRouter (with "
         "routing tasks that keep their request, as burst); "
-        "pow2: Ray's default power of two choices (default burst)",
+        f"pow2: Ray's default power of two choices (default {d['router']})",
     )
-    g.add_argument("--window-ms", type=at_least(1), default=100, help="burst window (default 100)")
+    g.add_argument(
+        "--window-ms",
+        type=at_least(1),
+        metavar="MS",
+        help=f"the burst router's window (default {d['window_ms']})",
+    )
     g.add_argument(
         "--residency",
         choices=RESIDENCY_CHOICES,
-        default="none",
         help="what the burst router knows of the replicas' caches for requests its window "
         "leaves alone (token-id prompts only): none (the approximate scorer's guess), stats "
         "(block snapshots in the routing stats) or kv_events (each replica publishes its KV "
-        "events; the router follows them) (default none)",
+        f"events; the router follows them) (default {d['residency']})",
     )
     g.add_argument(
-        "--num-cpus", type=at_least(1), default=None, help="CPUs Ray may use (default: all)"
+        "--num-cpus", type=at_least(1), metavar="N", help="CPUs Ray may use (default: all)"
     )
     g.add_argument(
         "--torch-threads",
         type=at_least(1),
-        default=None,
+        metavar="N",
         help="torch threads per replica (default: cores / replicas, at least 1)",
     )
     g.add_argument(
         "--burst",
         type=at_least(1),
-        default=8,
         metavar="K",
-        help="send K identical prompts at once and show where they landed (default 8)",
+        help=f"send K identical prompts at once and show where they landed (default {d['burst']})",
     )
-    g.add_argument("--max-tokens", type=at_least(1), default=8, help="tokens per request")
     g.add_argument(
-        "--keep", action="store_true", help="keep serving after the burst, until Ctrl-C"
+        "--max-tokens",
+        type=at_least(1),
+        metavar="N",
+        help=f"tokens each prompt of the burst generates (default {d['max_tokens']})",
     )
+    g.add_argument(
+        "--keep",
+        action="store_true",
+        default=None,
+        help="keep serving after the burst, until Ctrl-C",
+    )
+
+
+def ray_flags_given(args: argparse.Namespace) -> list[str]:
+    """The flags of `RAY_DEFAULTS` on the command line, as given (``--max-tokens 5``)."""
+    return [
+        as_given(dest, getattr(args, dest))
+        for dest in RAY_DEFAULTS
+        if getattr(args, dest) is not None
+    ]
+
+
+def as_given(dest: str, value: object) -> str:
+    """A flag as a command line gives it, for an error: ``--port 9000``; a switch, or a list
+    (API keys are not echoed), as its flag alone."""
+    flag = "--" + dest.replace("_", "-")
+    return f"{flag} {value}" if isinstance(value, (str, int, float)) and value is not True else flag
 
 
 def run_ray(args: argparse.Namespace) -> int:
     """Start the replicas, send the burst, print the placement; 0 on success."""
+    unset = {dest: value for dest, value in RAY_DEFAULTS.items() if getattr(args, dest) is None}
+    args = argparse.Namespace(**{**vars(args), **unset})
     kwargs: dict[str, Any] = {}
     if args.router == "burst":
         kwargs["window_ms"] = args.window_ms
@@ -86,9 +131,8 @@ def run_ray(args: argparse.Namespace) -> int:
         raise UsageError(f"--residency {args.residency} needs --router burst")
     try:
         import ray.serve  # noqa: F401
-    except ImportError as exc:  # pragma: no cover - depends on the install
-        msg = f"Ray Serve is not installed ({exc}): pip install 'prefixflight[ray]'"
-        raise UsageError(msg) from None
+    except ImportError as exc:
+        raise missing_extra("--replicas", "ray", exc) from None
     import asyncio
     import threading
 

@@ -1,6 +1,7 @@
-"""``prefixflight sweep TRACE``: exact token hit rate versus cache capacity, per policy.
+"""``prefixflight sweep TRACE --capacities LIST|auto``: the exact token hit rate at each
+capacity of the list (``auto``: log-spaced up to the trace's distinct block count), per policy.
 
-LRU runs every capacity in one pass over the trace (Mattson's stack distances,
+LRU runs all the capacities in one pass over the trace (Mattson's stack distances,
 `prefixflight.core.cache.LRUCurve`). S3FIFO has no stack property, so each capacity is its own
 replay; they run in parallel worker processes, each streaming the trace itself.
 """
@@ -16,6 +17,7 @@ from typing import Any
 import attrs
 
 from prefixflight.core import PrefixflightError, ReplayConfig, UsageError, replay
+from prefixflight.core._extras import missing_extra
 from prefixflight.core.cache import CurvePoint, LRUCurve, auto_capacities
 
 from ._args import at_least, output_file, ratio, usage_errors
@@ -56,11 +58,12 @@ def parse_capacities(text: str) -> tuple[int, ...] | None:
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "sweep",
-        help="token hit rate versus cache capacity for S3FIFO and LRU (exact)",
+        help="exact token hit rate at the cache capacities you list, for S3FIFO and LRU",
         description=(
-            "Replay a Mooncake trace at many cache capacities and print token hit rate per "
-            "policy. LRU computes all capacities in one pass (stack distances); S3FIFO runs "
-            "one replay per capacity in parallel processes."
+            "Replay a Mooncake trace at each cache capacity of --capacities (a list, or auto: "
+            "about 24 log-spaced capacities up to the trace's distinct block count) and print "
+            "the exact token hit rate per policy. LRU computes all the capacities in one pass "
+            "(stack distances); S3FIFO runs one replay per capacity in parallel processes."
         ),
     )
     p.add_argument(
@@ -81,8 +84,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         type=parse_capacities,
         required=True,
         metavar="LIST",
-        help="comma-separated capacities in blocks, or 'auto' (log-spaced up to "
-        "the trace's distinct block count)",
+        help="comma-separated capacities in blocks, or 'auto': about 24 log-spaced from 16 "
+        "blocks up to the trace's distinct block count (where LRU stops evicting)",
     )
     p.add_argument(
         "--block-size", type=at_least(1), default=512, metavar="B", help="tokens per block"
@@ -258,8 +261,8 @@ def plot(doc: dict[str, Any], path: str, *, block_size: int) -> None:
     """Token hit rate versus capacity, one line per policy, log-scaled capacity axis."""
     try:
         import matplotlib
-    except ImportError:
-        raise UsageError("--plot needs matplotlib: pip install 'prefixflight[plot]'") from None
+    except ImportError as exc:
+        raise missing_extra("--plot", "plot", exc) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -27,6 +27,7 @@ from hypothesis.errors import Flaky
 from hypothesis.stateful import run_state_machine_as_test
 
 from prefixflight.core import UsageError
+from prefixflight.core._extras import install_command
 
 from ._adapter import NO_OP, name_of, semantics_of
 from ._declare import (
@@ -297,7 +298,7 @@ def _not_installed(engine: str, exc: ImportError) -> str:
             f"{engine} cannot be imported here ({exc}); run in the environment that "
             "benchmarks/peers/setup.sh builds"
         )
-    hint = "; install prefixflight's extras (pip install 'prefixflight[all]')"
+    hint = f"; install prefixflight's extras from the clone's root with `{install_command('all')}`"
     return f"{engine} cannot import what it needs here ({exc})" + (
         hint if engine == "prefixflight" else ""
     )
