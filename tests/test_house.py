@@ -49,7 +49,7 @@ def test_the_readme_stays_library_sized() -> None:
     """What it is, the set-up, one example per capability and links: result tables and long
     semantics live in docs/."""
     text = (ROOT / "README.md").read_text(encoding="utf-8")
-    assert len(text) <= 8000, len(text)
+    assert len(text) <= 9000, len(text)
     assert "bash .ci/run" in text and ".venv/bin/prefixflight demo" in text
 
 

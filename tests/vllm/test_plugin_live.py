@@ -4,10 +4,12 @@ vLLM lives in its own venv (``$PREFIXFLIGHT_VLLM_VENV``, default ``<repo>/.venv-
 benchmarks/vllm/setup.sh builds it when missing and installs this checkout's prefixflight
 into it, as a user installs the plugin. These tests fail, never skip, when it cannot be built.
 
-Three servers start side by side with a pool of 23 blocks of 32 tokens: stock vLLM, the
-plugin with ``"lru"`` and the plugin with ``"s3fifo"`` (both in checked mode). Each serves
+Four servers start side by side. Three have a pool of 23 blocks of 32 tokens: stock vLLM,
+the plugin with ``"lru"`` and the plugin with ``"s3fifo"`` (both in checked mode). Each serves
 one scripted sequence, one request at a time with ``max_tokens`` 1: a 201-token prefix used
 twice, a scan of one-off prompts that passes twice the pool through it, then the prefix again.
+The fourth runs single flight (checked) where stock vLLM prefills identical prompts side by
+side (``--long-prefill-token-threshold``), and serves a burst of 4 identical prompts.
 """
 
 from __future__ import annotations
@@ -29,10 +31,17 @@ ROOT = Path(__file__).resolve().parents[2]
 VIOLATION = "prefixflight invariant violation:"
 BLOCKS = 24  # vLLM's pool, its null block included: 23 blocks of 32 tokens
 HOT = "H" * 200 + "."  # 201 tokens (one per byte): 6 full blocks, all of them hittable
-CONFIGS: dict[str, dict[str, Any] | None] = {
-    "stock": None,
-    "lru": {"eviction": "lru", "checked": True},
-    "s3fifo": {"eviction": "s3fifo", "checked": True},
+SIDE_BY_SIDE = ["--long-prefill-token-threshold", "256", "--max-num-batched-tokens", "1024"]
+# name -> (the plugin's settings, more vLLM arguments, max model length)
+CONFIGS: dict[str, tuple[dict[str, Any] | None, list[str], int]] = {
+    "stock": (None, ["--num-gpu-blocks-override", str(BLOCKS)], 512),
+    "lru": ({"eviction": "lru", "checked": True}, ["--num-gpu-blocks-override", str(BLOCKS)], 512),
+    "s3fifo": (
+        {"eviction": "s3fifo", "checked": True},
+        ["--num-gpu-blocks-override", str(BLOCKS)],
+        512,
+    ),
+    "flight": ({"single_flight": True, "checked": True}, SIDE_BY_SIDE, 4096),
 }
 
 
@@ -48,8 +57,8 @@ def _launcher() -> ModuleType:
     return module
 
 
-def plugin_args(settings: dict[str, Any] | None) -> list[str]:
-    args = ["--num-gpu-blocks-override", str(BLOCKS), "--max-num-seqs", "4"]
+def plugin_args(settings: dict[str, Any] | None, extra: list[str]) -> list[str]:
+    args = [*extra, "--max-num-seqs", "4"]
     if settings is not None:
         args += ["--scheduler-cls", "prefixflight.vllm.Scheduler"]
         args += ["--additional-config", json.dumps({"prefixflight": settings})]
@@ -78,12 +87,13 @@ def servers(
     logs = tmp_path_factory.mktemp("logs")
 
     def start(i: int, name: str) -> Any:
+        settings, extra, max_model_len = CONFIGS[name]
         return launcher.launch(
             model,
             venv=venv,
             cpus=str(i % 2),
-            max_model_len=512,
-            args=plugin_args(CONFIGS[name]),
+            max_model_len=max_model_len,
+            args=plugin_args(settings, extra),
             log_path=logs / f"{name}.log",
         )
 
@@ -105,7 +115,7 @@ def servers(
             s.stop()
 
 
-def cached_tokens(server: Any, model: Path, prompt: str) -> int:
+def cached_tokens(server: Any, model: Path, prompt: str | list[int]) -> int:
     body = json.dumps(
         {"model": str(model), "prompt": prompt, "max_tokens": 1, "temperature": 0}
     ).encode()
@@ -128,7 +138,7 @@ def scripted(server: Any, model: Path) -> list[int]:
 
 @pytest.fixture(scope="module")
 def results(servers: dict[str, Any], model: Path) -> dict[str, list[int]]:
-    return {name: scripted(server, model) for name, server in servers.items()}
+    return {name: scripted(servers[name], model) for name in ("stock", "lru", "s3fifo")}
 
 
 def test_lru_gives_stock_vllms_cached_tokens_request_for_request(
@@ -148,12 +158,29 @@ def test_s3fifo_keeps_a_prefix_used_twice_through_a_scan_that_makes_stock_evict_
 def test_the_settings_are_printed_at_start_up_and_checked_mode_finds_no_violation(
     servers: dict[str, Any], results: dict[str, list[int]]
 ) -> None:
-    for name in ("lru", "s3fifo"):
+    for name in ("lru", "s3fifo", "flight"):
         log = Path(servers[name].log_path).read_text(errors="replace")
-        assert f"prefixflight: eviction={name}" in log, log[-2000:]
+        eviction = "lru" if name == "flight" else name
+        assert f"prefixflight: eviction={eviction}" in log, log[-2000:]
         assert "checked=on" in log
         assert VIOLATION not in log, [line for line in log.splitlines() if VIOLATION in line]
     assert "prefixflight:" not in Path(servers["stock"].log_path).read_text(errors="replace")
+
+
+def test_single_flight_computes_a_burst_of_identical_prompts_once(
+    servers: dict[str, Any], model: Path
+) -> None:
+    """4 identical 2,000-token prompts at once: the first computes the prompt, each other
+    computes only what vLLM always computes (the tokens past the last full block, 2000 -
+    1984); vLLM alone, prefilling them side by side, computes well over one prompt's worth."""
+    prompt = [(13 * i + 5) % 250 for i in range(2000)]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        hits = list(pool.map(lambda _: cached_tokens(servers["flight"], model, prompt), range(4)))
+    computed = sum(len(prompt) - h for h in hits)
+    assert computed == len(prompt) + 3 * (len(prompt) % 32), hits
+    log = Path(servers["flight"].log_path).read_text(errors="replace")
+    assert "single_flight=after_prefill(max_wait_s=30.0" in log
+    assert VIOLATION not in log
 
 
 def test_a_bad_setting_stops_vllm_at_start_up_with_a_message_naming_it(
@@ -166,7 +193,7 @@ def test_a_bad_setting_stops_vllm_at_start_up_with_a_message_naming_it(
             model,
             venv=venv,
             max_model_len=512,
-            args=plugin_args({"eviction": {"policy": "s3fifo", "small_ratio": 2}}),
+            args=plugin_args({"eviction": {"policy": "s3fifo", "small_ratio": 2}}, []),
             log_path=log,
             startup_timeout_s=300,
         )
