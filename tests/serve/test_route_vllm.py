@@ -212,3 +212,58 @@ def _until_resident(router: ServerThread, url: str, blocks: Any) -> None:
     while index.prefix_blocks(url, blocks) < len(blocks):
         assert time.monotonic() < deadline, "the replica's KV events never reached the router"
         time.sleep(0.02)  # polling a real condition (the events applied), bounded above
+
+
+def test_behind_the_keys_file_a_vllm_backend_keeps_tenants_apart(
+    replicas: list[Any], smollm2: Any
+) -> None:
+    """The router writes the tenant into the relayed ``cache_salt``, which vLLM hashes into
+    a prompt's first block: the same tenant hits its cached prefix, another tenant misses it,
+    and neither a forged salt nor a key without tenant reaches it. (Relayed as JSON, a
+    client salt with a quote was a 400 from vLLM, whose salts may hold no backslash.)"""
+    import httpx
+
+    from prefixflight.serve._text import HFCodec
+    from prefixflight.serve.route import (
+        Backend,
+        RouteConfig,
+        build_route_app,
+        route_server,
+        tenant_salt,
+    )
+
+    config = RouteConfig(
+        backends=(Backend(url=replicas[0].base_url),),
+        engine_block_size=BLOCK,
+        api_keys={"kA": "tenantA", "kB": "tenantB", "kC": None},
+    )
+    server = ServerThread(
+        build_route_app(config, codec=HFCodec(smollm2.tokenizer)), make_server=route_server
+    ).start()
+
+    def cached(key: str, prompt: str, **extra: Any) -> int:
+        r = httpx.post(
+            server.base_url + "/v1/completions",
+            json={"model": MODEL, "prompt": prompt, "max_tokens": 1, **extra},
+            headers={"authorization": f"Bearer {key}"},
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+        return int(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    try:
+        prompt = text(77, 200)
+        assert cached("kA", prompt) == 0
+        assert cached("kA", prompt) >= BLOCK  # the same tenant hits
+        assert cached("kB", prompt) == 0  # another tenant misses
+        forged = tenant_salt({}, "tenantA")
+        assert forged is not None
+        assert cached("kB", prompt, cache_salt=forged) == 0
+        assert cached("kC", prompt, cache_salt=forged) == 0  # a key without tenant
+        # a client's own salt divides its tenant's blocks, whatever characters it holds (vLLM
+        # refuses a salt with '/', '\\', '@' or NUL, or over 128 characters)
+        odd = 'a/"b\\c@' * 20
+        assert cached("kA", prompt, cache_salt=odd) == 0
+        assert cached("kA", prompt, cache_salt=odd) >= BLOCK
+    finally:
+        server.stop()

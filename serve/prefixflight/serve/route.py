@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import socket
 import uuid
@@ -262,11 +263,13 @@ def _messages_text(messages: Sequence[Mapping[str, Any]]) -> str:
 
 def tenant_salt(body: Mapping[str, Any], tenant: str | None) -> str | None:
     """The ``cache_salt`` relayed for a request authenticated by an API key whose tenant is
-    ``tenant`` (``None``: a key without one): ``[tenant, the client's cache_salt]`` as JSON,
-    so a backend (vLLM, ``prefixflight serve``) keeps each tenant's cached blocks apart
-    without a keys file of its own, and no client's salt can equal another tenant's. A
-    request with neither keeps no salt (the shared namespace). Raises `HttpError` (400) for
-    a ``cache_salt`` that is not a non-empty string."""
+    ``tenant`` (``None``: a key without one): ``"pf-"`` and the SHA-256 of ``[tenant, the
+    client's cache_salt]`` as JSON, so a backend (vLLM, ``prefixflight serve``) keeps each
+    tenant's cached blocks apart without a keys file of its own, and no client's salt can
+    equal another tenant's. The digest's 67 characters pass vLLM's check of a salt (at most
+    128 characters, no ``@``, ``/``, ``\\`` or NUL), whatever the tenant and the client's
+    salt hold. A request with neither keeps no salt (the shared namespace). Raises
+    `HttpError` (400) for a ``cache_salt`` that is not a non-empty string."""
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise HttpError(
@@ -275,7 +278,7 @@ def tenant_salt(body: Mapping[str, Any], tenant: str | None) -> str | None:
     _unicode(salt, "cache_salt")
     if tenant is None and salt is None:
         return None
-    return json.dumps([tenant, salt])
+    return "pf-" + hashlib.sha256(json.dumps([tenant, salt]).encode()).hexdigest()
 
 
 def _unicode(text: object, param: str) -> None:
