@@ -7,19 +7,24 @@ row are written into the pool first (so a row may read pages another row of the 
 writes), then each row's queries attend over its pages. No per-row Python work in a layer:
 
 - one row (a prompt chunk, or a lone decode): its context is a slice of the pool when its
-  pages are consecutive, else one page-granular gather; the queries run in blocks of
-  `BLOCK` rows, each block a batched matrix product against the keys it can see (causal
-  blocks skip the keys after them), with keys and values read where they lie;
+  pages are consecutive, else one page-granular gather. On a CPU, where `FLASH_MIN` says
+  so (fp32 always, bf16 from about 6,000 keys), torch's fused attention kernel runs it
+  without a mask: ``is_causal`` when the row has no cached prefix; otherwise one call over
+  the prefix (every query sees all of it) and one causal call over the new tokens, merged
+  exactly through the log-sum-exps the kernel returns. Elsewhere the queries run in blocks
+  of `BLOCK` rows, each block a batched matrix product against the keys it can see (causal
+  blocks skip the keys after them, the block's own triangle is masked);
 - several rows (decodes and short chunks): one page-granular gather of every row's pages
   into ``[kv_heads, rows, tokens, head_dim]``, and one batched matrix product over all rows
   and KV heads, with each KV head's query heads folded into the rows of its product (no
   repeated keys for grouped-query attention); a precomputed additive mask keeps each query
   on its own row's keys up to its position.
 
-Scores and probabilities are in the queries' dtype (``softmax`` accumulates in fp32), as in
-transformers' eager attention. On CPUs this runs on oneDNN's matrix products, which in bf16
-are several times faster than torch's fused CPU attention kernel at these sizes (that
-kernel computes its blocks in fp32); see docs/performance.md.
+In the products, scores and probabilities are in the queries' dtype (``softmax``
+accumulates in fp32), as in transformers' eager attention; on CPUs they run on oneDNN's
+matrix products, which in bf16 beat torch's fused CPU attention kernel (it computes its
+blocks in fp32) up to about 6,000 keys. In fp32 the kernel is faster at every size: an
+explicit mask or materialised scores cost 1.1-7x its time. See docs/performance.md.
 
 The same step serves two forward implementations: the runner's fused forward
 (`_fused.FusedForward`, which passes flattened queries) and the model's own modules through
@@ -320,7 +325,10 @@ class PagedStep:
             assert lone.pages is not None
             keys = _gather(k_pool, lone.pages, self.pool.page_size)[:, : lone.context]
             values = _gather(v_pool, lone.pages, self.pool.page_size)[:, : lone.context]
-        return self._causal(query, keys.to(dt), values.to(dt), lone.start, scale)
+        keys, values = keys.to(dt), values.to(dt)
+        if _flash_fits(query, keys):
+            return _flash(query, keys, values, lone.start, scale)
+        return self._causal(query, keys, values, lone.start, scale)
 
     def _batched(
         self,
@@ -411,6 +419,53 @@ class PagedStep:
         if mask is None:
             mask = self._masks[c] = torch.ones((c, c), dtype=torch.bool, device=dev).triu(1)
         return mask
+
+
+_FLASH: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+FLASH_MIN = {torch.float32: 0, torch.bfloat16: 6144}
+"""Per dtype, the fewest keys (cached and new) over which a lone row of two or more queries
+runs torch's fused CPU attention kernel (`_flash`) instead of the blocked products of
+`PagedStep._causal`; any other dtype: the products. Measured on 2 AVX-512 cores
+(benchmarks/attention_flash.py, docs/performance.md): in fp32 the kernel is 1.1-7x faster
+at every size; in bf16 it computes in fp32 while the products run at oneDNN's bf16 rate, so
+the products win below about 6,000 keys and the kernel above (its tiles never materialise
+a block's scores)."""
+
+
+def _flash_fits(query: torch.Tensor, keys: torch.Tensor) -> bool:
+    least = FLASH_MIN.get(query.dtype)
+    return (
+        least is not None
+        and query.shape[0] > 1
+        and keys.shape[1] >= least
+        and query.device.type == "cpu"
+        and _FLASH is not None
+        and keys.dtype == query.dtype
+    )
+
+
+def _flash(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, scale: float
+) -> torch.Tensor:
+    """One row, no mask: ``query [n, heads, D]`` at positions ``start ..`` over ``keys`` and
+    ``values [kv_heads, start + n, D]`` through torch's fused CPU attention kernel (which
+    takes grouped-query keys as they are). Without a cached prefix: one causal call. With
+    one: the prefix (every query sees all of it, no mask) and the new tokens (causal) are
+    two calls, merged exactly through their log-sum-exps: ``out = o2 + (o1 - o2) *
+    sigmoid(lse1 - lse2)``, in fp32."""
+    q = query.transpose(0, 1).unsqueeze(0)  # [1, heads, n, D] (a view)
+    k, v = keys.unsqueeze(0), values.unsqueeze(0)
+    if not start:
+        out: torch.Tensor = _FLASH(q, k, v, is_causal=True, scale=scale)[0]
+        return out[0].transpose(0, 1)  # [n, heads, D]
+    o1, l1 = _FLASH(q, k[:, :, :start], v[:, :, :start], scale=scale)
+    o2, l2 = _FLASH(q, k[:, :, start:], v[:, :, start:], is_causal=True, scale=scale)
+    w = torch.sigmoid(l1[0] - l2[0]).transpose(0, 1).unsqueeze(-1)  # [n, heads, 1]
+    a, b = o1[0].transpose(0, 1), o2[0].transpose(0, 1)
+    if a.dtype != torch.float32:
+        a, b = a.float(), b.float()
+    merged = torch.lerp(b, a, w)
+    return merged if merged.dtype == query.dtype else merged.to(query.dtype)
 
 
 def _gather(pool_view: torch.Tensor, pages: torch.Tensor, page_size: int) -> torch.Tensor:

@@ -1,0 +1,281 @@
+"""Mask-free attention for long rows: torch's fused CPU kernel against the blocked products.
+
+A lone row of a paged step (a prompt chunk of ``long_chunk`` tokens or more) attends over
+its pages through `PagedStep`. ``after`` is today's code: torch's fused CPU attention
+kernel (``_scaled_dot_product_flash_attention_for_cpu``), ``is_causal`` without a cached
+prefix, and with one the prefix (no mask) and the new tokens (causal) as two calls merged
+through their log-sum-exps. ``before`` is the same code with the kernel switched off
+(``FLASH_MIN`` emptied), which leaves the path `main` had before this change: queries in
+blocks of 256, each a batched product against the keys it can see, the block's own
+triangle masked, ``softmax``, a second product.
+
+Two measurements, every round running ``before`` and ``after`` back to back (A/B
+interleaved, the order alternating between rounds), the minimum wall time of the rounds
+reported:
+
+- the attention call alone: one layer's `PagedStep.attend` with SmolLM2-shaped heads
+  (``--heads`` query heads, ``--kv-heads`` KV heads, head dim 64), pages in shuffled order
+  (so a cached prefix is gathered), for each ``N[:CACHED]`` of ``--cases``;
+- a real prefill through `TransformersRunner` (fused forward): a random-weight Llama with
+  SmolLM2-135M's dimensions and ``--layers`` layers (the real model has 30; attention per
+  layer is the same, so fewer layers keep the run short), and the tiny test model, for each
+  case of ``--prefill-cases`` (a cached case prefills the cached tokens first, untimed,
+  then times the new chunk over them). Each pair's logits are compared (max abs diff).
+
+    python benchmarks/attention_flash.py [--rounds 2] [--dtypes float32,bfloat16]
+        [--json docs/results/attention_flash.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from prefixflight.backends import TINY_LLAMA
+from prefixflight.backends.torch import PagedKVPool, TransformersRunner
+from prefixflight.backends.torch import _paged as paged_module
+from prefixflight.backends.torch._paged import PagedStep
+from prefixflight.core import PrefillWork, StepPlan
+
+SMOLLM2: dict[str, Any] = {
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "rope_theta": 100000.0,
+    "max_position_embeddings": 16384,
+    "tie_word_embeddings": True,
+}
+"""SmolLM2-135M-Instruct's dimensions (its config.json), random weights."""
+
+
+@contextmanager
+def kernel(on: bool) -> Iterator[None]:
+    """``after`` (today's code) or ``before`` (the fused kernel switched off)."""
+    saved = dict(paged_module.FLASH_MIN)
+    if not on:
+        paged_module.FLASH_MIN.clear()
+    try:
+        yield
+    finally:
+        paged_module.FLASH_MIN.clear()
+        paged_module.FLASH_MIN.update(saved)
+
+
+def parse_case(text: str) -> tuple[int, int]:
+    new, _, cached = text.partition(":")
+    return int(new), int(cached or 0)
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    t0 = time.perf_counter()
+    out = fn()
+    return (time.perf_counter() - t0) * 1e3, out
+
+
+def attention_call(
+    case: tuple[int, int], dtype: torch.dtype, heads: int, kv_heads: int, rounds: int
+) -> dict[str, Any]:
+    new, cached = case
+    ps = 16
+    pages = -(-(new + cached) // ps)
+    pool = PagedKVPool(
+        num_layers=1,
+        num_kv_heads=kv_heads,
+        head_dim=64,
+        num_pages=pages + 1,
+        page_size=ps,
+        dtype=dtype,
+        device="cpu",
+    )
+    gen = torch.Generator().manual_seed(0)
+    k_pool, v_pool = pool.layer_views(0)
+    k_pool.copy_(torch.randn(k_pool.shape, generator=gen).to(dtype))
+    v_pool.copy_(torch.randn(v_pool.shape, generator=gen).to(dtype))
+    table = list(range(1, pages + 1))
+    random.Random(0).shuffle(table)
+    query = (torch.randn((new, heads, 64), generator=gen) / 8).to(dtype)
+    key = torch.randn((new, kv_heads, 64), generator=gen).to(dtype)
+    value = torch.randn((new, kv_heads, 64), generator=gen).to(dtype)
+
+    def attend(step: PagedStep) -> torch.Tensor:
+        return step.attend(0, query, key, value, 1.0)
+
+    times: dict[str, list[float]] = {"before": [], "after": []}
+    outs: dict[str, torch.Tensor] = {}
+    with torch.inference_mode():
+        for r in range(rounds + 1):  # round 0 warms up
+            order = ("before", "after") if r % 2 else ("after", "before")
+            for name in order:
+                with kernel(name == "after"):
+                    ms, out = timed(partial(attend, PagedStep(pool, [(cached, new, table)])))
+                if r:
+                    times[name].append(ms)
+                outs[name] = out.float()
+    diff = float((outs["before"] - outs["after"]).abs().max())
+    return summary(times, new=new, cached=cached, max_abs_diff=diff)
+
+
+def summary(times: dict[str, list[float]], **extra: Any) -> dict[str, Any]:
+    before, after = min(times["before"]), min(times["after"])
+    return {
+        **extra,
+        "before_ms": round(before, 1),
+        "after_ms": round(after, 1),
+        "speedup": round(before / after, 2),
+        "rounds_ms": {k: [round(x, 1) for x in v] for k, v in times.items()},
+    }
+
+
+def build_model(kind: str, layers: int, dtype: torch.dtype) -> Any:
+    torch.manual_seed(0)
+    if kind == "tiny":
+        config = LlamaConfig(**TINY_LLAMA, max_position_embeddings=16384)
+    else:
+        config = LlamaConfig(**SMOLLM2, num_hidden_layers=layers)
+    model: Any = LlamaForCausalLM(config)
+    return model.eval().to(dtype)
+
+
+def prefill(model: Any, case: tuple[int, int], dtype: torch.dtype, rounds: int) -> dict[str, Any]:
+    new, cached = case
+    ps = 16
+    pages = -(-(new + cached) // ps)
+    runner = TransformersRunner.for_model(
+        model, num_pages=pages + 1, page_size=ps, device="cpu", dtype=dtype
+    )
+    table = tuple(range(1, pages + 1))
+    rng = random.Random(1)
+    vocab = runner.vocab_size
+    ids = tuple(rng.randrange(vocab) for _ in range(new + cached))
+
+    def work(step: int, start: int, end: int) -> StepPlan:
+        chunk = PrefillWork(
+            request_id=step, token_ids=ids[start:end], start=start, pages=table, sample=True
+        )
+        return StepPlan(step=step, prefills=(chunk,))
+
+    times: dict[str, list[float]] = {"before": [], "after": []}
+    logits: dict[str, torch.Tensor] = {}
+    n = 0
+
+    def timed_chunk(step: int) -> float:
+        ms, _ = timed(lambda: runner.execute(work(step, cached, cached + new)))
+        return ms
+
+    for name in ("before", "after"):  # warm-up: a short prefill on each path
+        with kernel(name == "after"):
+            runner.execute(work(n, 0, min(128, len(ids))))
+            n += 1
+    for r in range(rounds):
+        order = ("before", "after") if r % 2 else ("after", "before")
+        for name in order:
+            with kernel(name == "after"):
+                if cached:
+                    runner.execute(work(n, 0, cached))  # the cached prefix, untimed
+                    n += 1
+                ms = timed_chunk(n)
+            times[name].append(ms)
+            logits[name] = runner.last_logits[n].float()
+            n += 1
+    diff = float((logits["before"] - logits["after"]).abs().max())
+    scale = float(logits["before"].abs().max())
+    same = bool(logits["before"].argmax() == logits["after"].argmax())
+    return summary(
+        times, new=new, cached=cached, max_abs_diff=diff, logit_scale=scale, same_argmax=same
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--heads", type=int, default=14)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--cases", default="1024,4096,8192,512:4096,1024:3072,4096:8192")
+    ap.add_argument("--prefill-cases", default="4096,8192,512:4096,1024:3072")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--models", default="smollm2-shaped,tiny")
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    dtypes = [getattr(torch, d) for d in args.dtypes.split(",") if d]
+    result: dict[str, Any] = {
+        "machine": {
+            "cpu": platform.processor() or platform.machine(),
+            "threads": args.threads,
+            "torch": torch.__version__,
+            "capability": torch.backends.cpu.get_cpu_capability(),
+            "shared": "2 cores shared with other jobs; minimum over interleaved rounds",
+        },
+        "rounds": args.rounds,
+        "attention_call": [],
+        "prefill": [],
+    }
+    for dt in dtypes:
+        for text in filter(None, args.cases.split(",")):
+            row = attention_call(parse_case(text), dt, args.heads, args.kv_heads, args.rounds)
+            row |= {
+                "dtype": str(dt).removeprefix("torch."),
+                "heads": args.heads,
+                "kv_heads": args.kv_heads,
+            }
+            result["attention_call"].append(row)
+            print(
+                "attention",
+                row["dtype"],
+                text,
+                row["before_ms"],
+                "->",
+                row["after_ms"],
+                f"x{row['speedup']}",
+                f"diff {row['max_abs_diff']:.1e}",
+                flush=True,
+            )
+    for kind in filter(None, args.models.split(",")):
+        for dt in dtypes:
+            model = build_model(kind, args.layers, dt)
+            for text in filter(None, args.prefill_cases.split(",")):
+                row = prefill(model, parse_case(text), dt, args.rounds)
+                row |= {
+                    "model": kind,
+                    "dtype": str(dt).removeprefix("torch."),
+                    "layers": model.config.num_hidden_layers,
+                }
+                result["prefill"].append(row)
+                print(
+                    "prefill",
+                    kind,
+                    row["dtype"],
+                    text,
+                    row["before_ms"],
+                    "->",
+                    row["after_ms"],
+                    f"x{row['speedup']}",
+                    f"diff {row['max_abs_diff']:.1e} of {row['logit_scale']:.1f}",
+                    "same argmax" if row["same_argmax"] else "ARGMAX DIFFERS",
+                    flush=True,
+                )
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
