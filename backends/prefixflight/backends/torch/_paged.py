@@ -8,7 +8,7 @@ writes), then each row's queries attend over its pages. No per-row Python work i
 
 - one row (a prompt chunk, or a lone decode): its context is a slice of the pool when its
   pages are consecutive, else one page-granular gather. On a CPU, where `FLASH_MIN` says
-  so (fp32 always, bf16 from about 6,000 keys), torch's fused attention kernel runs it
+  so (fp32), torch's fused attention kernel runs it
   without a mask: ``is_causal`` when the row has no cached prefix; otherwise one call over
   the prefix (every query sees all of it) and one causal call over the new tokens, merged
   exactly through the log-sum-exps the kernel returns. Elsewhere the queries run in blocks
@@ -22,9 +22,9 @@ writes), then each row's queries attend over its pages. No per-row Python work i
 
 In the products, scores and probabilities are in the queries' dtype (``softmax``
 accumulates in fp32), as in transformers' eager attention; on CPUs they run on oneDNN's
-matrix products, which in bf16 beat torch's fused CPU attention kernel (it computes its
-blocks in fp32) up to about 6,000 keys. In fp32 the kernel is faster at every size: an
-explicit mask or materialised scores cost 1.1-7x its time. See docs/performance.md.
+matrix products, which in bf16 are as fast as torch's fused CPU attention kernel or faster
+(it computes its blocks in fp32). In fp32 the kernel is faster: the masked products took
+1.9-2.8x its time from 1,024 tokens up. See docs/performance.md.
 
 The same step serves two forward implementations: the runner's fused forward
 (`_fused.FusedForward`, which passes flattened queries) and the model's own modules through
@@ -422,14 +422,14 @@ class PagedStep:
 
 
 _FLASH: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-FLASH_MIN = {torch.float32: 0, torch.bfloat16: 6144}
+FLASH_MIN = {torch.float32: 0}
 """Per dtype, the fewest keys (cached and new) over which a lone row of two or more queries
 runs torch's fused CPU attention kernel (`_flash`) instead of the blocked products of
-`PagedStep._causal`; any other dtype: the products. Measured on 2 AVX-512 cores
-(benchmarks/attention_flash.py, docs/performance.md): in fp32 the kernel is 1.1-7x faster
-at every size; in bf16 it computes in fp32 while the products run at oneDNN's bf16 rate, so
-the products win below about 6,000 keys and the kernel above (its tiles never materialise
-a block's scores)."""
+`PagedStep._causal`; a dtype not here: always the products. Measured on 2 AVX-512 cores
+(benchmarks/attention_flash.py, docs/performance.md): in fp32 the kernel is faster at
+every size from 1,024 tokens (1.9-2.8x on the attention call); in bf16 it computes in fp32
+while the products run at oneDNN's bf16 rate, and with SmolLM2's heads the products stayed
+as fast or faster up to 8,192 keys, so bf16 keeps the products."""
 
 
 def _flash_fits(query: torch.Tensor, keys: torch.Tensor) -> bool:
