@@ -23,7 +23,10 @@ steadier of the two):
   SmolLM2-135M's dimensions and ``--layers`` layers (the real model has 30; attention per
   layer is the same, so fewer layers keep the run short), and the tiny test model, for each
   case of ``--prefill-cases`` (a cached case prefills the cached tokens first, untimed,
-  then times the new chunk over them). Each pair's logits are compared (max abs diff).
+  then times the new chunk over them). Each pair's logits are compared (max abs diff);
+- decode rows a step attends together (``ROWSxCONTEXT`` of ``--decode-cases``, each row on
+  pages of its own): the batched product with its mask, or one kernel call per row
+  (`PER_ROW_MIN`; fp32 from 1,024 keys today).
 
     python benchmarks/attention_flash.py [--rounds 2] [--dtypes float32,bfloat16]
         [--json docs/results/attention_flash.json]
@@ -69,22 +72,28 @@ SMOLLM2: dict[str, Any] = {
 
 
 USED = dict(paged_module.FLASH_MIN)
-"""The dtypes today's code runs the kernel for (the rest: the products)."""
+"""The dtypes today's code runs the kernel for on lone rows (the rest: the products)."""
+USED_PER_ROW = dict(paged_module.PER_ROW_MIN)
+"""The dtypes (and the keys per row from which) batched rows go one by one."""
 
 
 @contextmanager
 def kernel(on: bool) -> Iterator[None]:
-    """The fused kernel for every lone row of fp32 and bf16 (``on``), or the blocked products
-    (the path `main` had for all of them before this change)."""
-    saved = dict(paged_module.FLASH_MIN)
-    paged_module.FLASH_MIN.clear()
-    if on:
-        paged_module.FLASH_MIN.update({torch.float32: 0, torch.bfloat16: 0})
+    """The fused kernel for every lone row, and for every row of a batch one by one, in fp32
+    and bf16 (``on``); or the blocked products and the batched product with its mask for all
+    of them (the paths `main` had before this change)."""
+    tables = (paged_module.FLASH_MIN, paged_module.PER_ROW_MIN)
+    saved = [dict(t) for t in tables]
+    for table in tables:
+        table.clear()
+        if on:
+            table.update({torch.float32: 0, torch.bfloat16: 0})
     try:
         yield
     finally:
-        paged_module.FLASH_MIN.clear()
-        paged_module.FLASH_MIN.update(saved)
+        for table, old in zip(tables, saved, strict=True):
+            table.clear()
+            table.update(old)
 
 
 def parse_case(text: str) -> tuple[int, int]:
@@ -148,6 +157,51 @@ def attention_call(
                 outs[name] = out.float()
     diff = float((outs["products"] - outs["kernel"]).abs().max())
     return summary(times, new=new, cached=cached, max_abs_diff=diff)
+
+
+def decode_rows(
+    rows: int, context: int, dtype: torch.dtype, heads: int, kv_heads: int, rounds: int
+) -> dict[str, Any]:
+    """One layer's attention for ``rows`` decode rows at ``context`` .. keys, each on pages
+    of its own (shuffled): batched with a mask (products) or one kernel call per row."""
+    ps = 16
+    per = -(-(context + rows + 1) // ps)
+    pool = PagedKVPool(
+        num_layers=1,
+        num_kv_heads=kv_heads,
+        head_dim=64,
+        num_pages=rows * per + 1,
+        page_size=ps,
+        dtype=dtype,
+        device="cpu",
+    )
+    gen = torch.Generator().manual_seed(0)
+    for view in pool.layer_views(0):
+        view.copy_(torch.randn(view.shape, generator=gen).to(dtype))
+    free = list(range(1, rows * per + 1))
+    random.Random(0).shuffle(free)
+    spec = [(context + r, 1, free[r * per : (r + 1) * per]) for r in range(rows)]
+    query = (torch.randn((rows, heads, 64), generator=gen) / 8).to(dtype)
+    key = torch.randn((rows, kv_heads, 64), generator=gen).to(dtype)
+    value = torch.randn((rows, kv_heads, 64), generator=gen).to(dtype)
+
+    def attend(step: PagedStep) -> torch.Tensor:
+        return step.attend(0, query, key, value, 1.0)
+
+    times: dict[str, list[float]] = {"products": [], "kernel": []}
+    outs: dict[str, torch.Tensor] = {}
+    with torch.inference_mode():
+        for r in range(rounds + 1):  # round 0 warms up
+            order = ("products", "kernel") if r % 2 else ("kernel", "products")
+            for name in order:
+                with kernel(name == "kernel"):
+                    step = PagedStep(pool, spec)
+                    ms, out = timed(partial(attend, step), name if r else None)
+                if r:
+                    times[name].append(ms)
+                outs[name] = out.float()
+    diff = float((outs["products"] - outs["kernel"]).abs().max())
+    return summary(times, rows=rows, context=context, max_abs_diff=diff)
 
 
 def summary(times: dict[str, list[float]], **extra: Any) -> dict[str, Any]:
@@ -234,6 +288,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=9)
     ap.add_argument("--kv-heads", type=int, default=3)
     ap.add_argument("--cases", default="1024,4096,8192,512:4096,1024:3072,4096:8192")
+    ap.add_argument("--decode-cases", default="8x4000,32x2000,32x500")
     ap.add_argument("--prefill-cases", default="4096,8192,512:4096,1024:3072")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--models", default="smollm2-shaped,tiny")
@@ -251,7 +306,9 @@ def main() -> None:
             "shared": "2 cores shared with other jobs; minimum over interleaved rounds",
         },
         "rounds": args.rounds,
+        "load_average_at_start": os.getloadavg(),
         "attention_call": [],
+        "decode_rows": [],
         "prefill": [],
     }
     for dt in dtypes:
@@ -266,6 +323,27 @@ def main() -> None:
             result["attention_call"].append(row)
             print(
                 "attention",
+                row["dtype"],
+                text,
+                row["products_ms"],
+                "->",
+                row["kernel_ms"],
+                f"x{row['speedup']}",
+                f"cpu x{row['cpu_speedup']}",
+                f"diff {row['max_abs_diff']:.1e}",
+                flush=True,
+            )
+    for dt in dtypes:
+        for text in filter(None, args.decode_cases.split(",")):
+            rows, _, context = text.partition("x")
+            row = decode_rows(int(rows), int(context), dt, args.heads, args.kv_heads, args.rounds)
+            row |= {
+                "today": "kernel" if int(context) >= USED_PER_ROW.get(dt, 1 << 62) else "products",
+                "dtype": str(dt).removeprefix("torch."),
+            }
+            result["decode_rows"].append(row)
+            print(
+                "decode rows",
                 row["dtype"],
                 text,
                 row["products_ms"],
@@ -302,6 +380,7 @@ def main() -> None:
                     "same argmax" if row["same_argmax"] else "ARGMAX DIFFERS",
                     flush=True,
                 )
+    result["load_average_at_end"] = os.getloadavg()
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1) + "\n")

@@ -557,3 +557,105 @@ def test_kernel_choice_follows_dtype_and_keys() -> None:
             assert calls == want, (dtype, cached, n)
     finally:
         _paged._FLASH = real
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    shared=st.lists(st.integers(0, VOCAB - 1), min_size=0, max_size=40).map(tuple),
+    tails=st.lists(prompt_st, min_size=2, max_size=4),
+    page_size=st.integers(1, 8),
+    long_chunk=st.integers(2, 24),
+    seed=st.integers(0, 2**16),
+)
+def test_rows_one_by_one_through_the_kernel_equal_gather(
+    tiny_model: Any,
+    shared: tuple[int, ...],
+    tails: list[tuple[int, ...]],
+    page_size: int,
+    long_chunk: int,
+    seed: int,
+) -> None:
+    """With `PER_ROW_MIN` at 0 for fp32, the rows a step would attend together (decodes,
+    short chunks) each run alone through the fused kernel: still the gather path's tokens
+    and logits, and the kernel is what ran them."""
+    from prefixflight.backends.torch import _paged
+
+    calls = 0
+    real = _paged._FLASH
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        return real(*args, **kwargs)
+
+    saved = dict(_paged.PER_ROW_MIN)
+    try:
+        _paged._FLASH = counted
+        _paged.PER_ROW_MIN[torch.float32] = 0
+        run_mixed(
+            tiny_model,
+            [shared + t for t in tails],
+            page_size=page_size,
+            long_chunk=long_chunk,
+            new_tokens=3,
+            rng=random.Random(seed),
+        )
+    finally:
+        _paged._FLASH = real
+        _paged.PER_ROW_MIN.clear()
+        _paged.PER_ROW_MIN.update(saved)
+    assert calls
+
+
+def test_batched_rows_go_one_by_one_from_per_row_min_keys() -> None:
+    """fp32 decode rows over fewer than `PER_ROW_MIN` keys past their shared pages are
+    attended together (no kernel call); from that many on, one kernel call each (a decode:
+    one call, no mask); bf16 rows always together."""
+    from prefixflight.backends.torch import PagedKVPool, _paged
+
+    calls = []
+    real = _paged._FLASH
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(kwargs.get("is_causal", False))
+        return real(*args, **kwargs)
+
+    least = _paged.PER_ROW_MIN[torch.float32]
+    try:
+        _paged._FLASH = counted
+        for dtype, context, want in (
+            ("float32", least - 40, []),
+            ("float32", least, [False, False, False]),
+            ("bfloat16", least + 500, []),
+        ):
+            dt = getattr(torch, dtype)
+            pages = -(-(context + 1) // 16)
+            pool = PagedKVPool(
+                num_layers=1,
+                num_kv_heads=2,
+                head_dim=16,
+                num_pages=3 * pages,
+                page_size=16,
+                device="cpu",
+                dtype=dt,
+            )
+            tables = [list(range(r * pages, (r + 1) * pages)) for r in range(3)]
+            q = torch.randn((3, 4, 16)).to(dt)
+            k, v = torch.randn((3, 2, 16)).to(dt), torch.randn((3, 2, 16)).to(dt)
+            calls.clear()
+            with torch.inference_mode():
+                step = PagedStep(pool, [(context - r, 1, tables[r]) for r in range(3)])
+                out = step.attend(0, q, k, v, 0.25)
+            assert calls == want, (dtype, context)
+            saved = dict(_paged.PER_ROW_MIN)
+            _paged.PER_ROW_MIN.clear()  # the same rows together: the same attention
+            try:
+                with torch.inference_mode():
+                    step = PagedStep(pool, [(context - r, 1, tables[r]) for r in range(3)])
+                    together = step.attend(0, q, k, v, 0.25)
+            finally:
+                _paged.PER_ROW_MIN.update(saved)
+            tol = 1e-5 if dtype == "float32" else 0.0
+            torch.testing.assert_close(out, together, atol=tol, rtol=0)
+    finally:
+        _paged._FLASH = real
