@@ -126,6 +126,7 @@ def main() -> None:
     cpu16, cpu32 = statistics.median(cpu[16]), statistics.median(cpu[32])
     result = {
         "machine": "2 cores shared with other jobs",
+        "load_average_at_end": os.getloadavg(),
         "dtype": args.dtype,
         "threads": args.threads,
         "prompt": args.prompt,
