@@ -21,13 +21,13 @@ writes), then each row's queries attend over its pages. No per-row Python work i
   on its own row's keys up to its position. Where `PER_ROW_MIN` says so (fp32 rows reading
   1,024 keys or more past the pages they share) the rows run one by one instead, as lone
   rows through the fused kernel (a decode: one call, no mask): in fp32 the batched
-  product of a few query rows per row is 2-3x slower there.
+  product of a few query rows per row is up to 3.3x slower there.
 
 In the products, scores and probabilities are in the queries' dtype (``softmax``
 accumulates in fp32), as in transformers' eager attention; on CPUs they run on oneDNN's
 matrix products, which in bf16 are as fast as torch's fused CPU attention kernel or faster
 (it computes its blocks in fp32). In fp32 the kernel is faster: the masked products took
-1.9-2.8x its time from 1,024 tokens up. See docs/performance.md.
+1.4-2.2x its CPU time from 1,024 tokens up. See docs/performance.md.
 
 The same step serves two forward implementations: the runner's fused forward
 (`_fused.FusedForward`, which passes flattened queries) and the model's own modules through
@@ -464,9 +464,9 @@ FLASH_MIN = {torch.float32: 0}
 runs torch's fused CPU attention kernel (`_flash`) instead of the blocked products of
 `PagedStep._causal`; a dtype not here: always the products. Measured on 2 AVX-512 cores
 (benchmarks/attention_flash.py, docs/performance.md): in fp32 the kernel is faster at
-every size from 1,024 tokens (1.9-2.8x on the attention call); in bf16 it computes in fp32
-while the products run at oneDNN's bf16 rate, and with SmolLM2's heads the products stayed
-as fast or faster up to 8,192 keys, so bf16 keeps the products."""
+every size from 1,024 tokens (1.4-2.2x CPU time on the attention call); in bf16 it computes
+in fp32 while the products run at oneDNN's bf16 rate, and with SmolLM2's heads the products
+were faster up to 8,192 keys (the kernel 0.63-0.75x), so bf16 keeps the products."""
 
 
 PER_ROW_MIN = {torch.float32: 1024}
@@ -474,9 +474,9 @@ PER_ROW_MIN = {torch.float32: 1024}
 step would attend together (decodes, short chunks) each run alone through the fused kernel
 instead (`_flash`; a decode: one call without a mask); a dtype not here: always together.
 Measured (CPU time per layer, SmolLM2's heads, rows without shared pages): in fp32 32
-decode rows at 2,000-2,200 keys took 26 ms one by one against 84-88 ms together, 8 rows at
-4,000 keys 20 against 38 ms, and at 500 keys both the same; in bf16 together was 1.7-3x
-faster at every size."""
+decode rows at 2,000-2,031 keys took 24 ms one by one against 81 ms together, 8 rows at
+4,000-4,007 keys 12.8 against 13.3 ms, 32 rows at 500 keys 8.6 against 6.9 ms (so below
+1,024 keys they stay together); in bf16 together was 5-6x faster at every size."""
 
 
 def _flash_fits(query: torch.Tensor, keys: torch.Tensor) -> bool:
