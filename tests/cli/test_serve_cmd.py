@@ -432,3 +432,22 @@ def test_a_model_folder_that_cannot_be_served_is_a_one_line_error(
     (line,) = [ln for ln in err.splitlines() if "error:" in ln]
     assert line.startswith(f"prefixflight serve: error: --model {str(folder)!r}"), line
     assert message in line and "Traceback" not in err
+
+
+@pytest.mark.torch
+def test_weights_that_do_not_load_are_a_one_line_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A folder that passes the file checks but whose safetensors file is not one: exit 1,
+    one line naming the path, no traceback."""
+    pytest.importorskip("torch")
+    pytest.importorskip("fastapi")
+    folder = tmp_path / "model"
+    write_model_folder(folder, "llama", tokenizer=False)
+    for weights in folder.glob("*.safetensors"):
+        weights.write_bytes(b"not a safetensors file")
+    assert main(["serve", "--model", str(folder), "--port", "0", "--threads", "1"]) == 1
+    err = capsys.readouterr().err.strip()
+    (line,) = [ln for ln in err.splitlines() if "error:" in ln]
+    assert line.startswith(f"prefixflight serve: error: cannot load the model in {str(folder)!r}")
+    assert "Traceback" not in err

@@ -166,20 +166,28 @@ def load_local(
     folder, _ = check_model_folder(path)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as _hf_logging
 
+    hf_logging: Any = _hf_logging
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
     tokenizer: Any = None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # loading chatter
             if any((folder / name).is_file() for name in _TOKENIZER_FILES):
                 tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
             model: Any = AutoModelForCausalLM.from_pretrained(
                 folder, dtype=dt, local_files_only=True, use_safetensors=True
             )
-        except (OSError, ValueError, RuntimeError, KeyError) as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise UsageError(f"cannot load the model in {str(path)!r}: {first}") from None
+    except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UsageError(f"cannot load the model in {str(path)!r}: {first}") from None
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     eos: set[int] = set()
     tok_eos = getattr(tokenizer, "eos_token_id", None)
     gen = folder / "generation_config.json"
