@@ -520,7 +520,7 @@ def test_lone_row_kernel_matches_products_and_reference(
         _paged.FLASH_MIN.clear()
         _paged.FLASH_MIN.update(saved)
     want = reference_attention(q, keys, values, cached, 0.25)
-    tol = 2e-6 if dtype == "float32" else 2e-2
+    tol = 2e-6 if dtype == "float32" else 4e-2  # bf16: 0.019 the worst of 300 random rows
     for name, out in outs.items():
         assert out.shape == (n, heads, 16) and out.dtype == dt, name
         torch.testing.assert_close(out.double(), want, atol=tol, rtol=0, msg=name)
