@@ -22,6 +22,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from prefixflight.backends.torch import TransformersRunner  # noqa: E402
+from prefixflight.backends.torch._paged import PagedStep  # noqa: E402
 from prefixflight.core import ConfigError, DecodeWork, PrefillWork, StepPlan  # noqa: E402
 
 from .conftest import run  # noqa: E402
@@ -424,3 +425,237 @@ def test_unsupported_architecture_runs_its_own_modules(tiny_factory: Any) -> Non
     b = teacher_forced_logits(gather, prompts, [9, 8, 7], 4)
     for x, y in zip(a, b, strict=True):
         torch.testing.assert_close(x, y, atol=ATOL, rtol=0)
+
+
+# -- a lone row's attention: torch's fused CPU kernel against the blocked products ---------
+def reference_attention(query: Any, keys: Any, values: Any, start: int, scale: float) -> Any:
+    """fp64 causal attention of ``query [n, H, D]`` at positions ``start ..`` over
+    ``keys``/``values [G, start + n, D]`` (grouped-query heads: H // G per KV head)."""
+    n, heads, _ = query.shape
+    group = heads // keys.shape[0]
+    k = keys.double().repeat_interleave(group, 0)  # [H, K, D]
+    v = values.double().repeat_interleave(group, 0)
+    scores = torch.einsum("nhd,hkd->hnk", query.double() * scale, k)
+    seen = torch.arange(keys.shape[1]).view(1, -1) <= torch.arange(start, start + n).view(-1, 1)
+    scores = scores.masked_fill(~seen, float("-inf"))
+    return torch.einsum("hnk,hkd->nhd", torch.softmax(scores, dim=-1), v)
+
+
+def lone_row(
+    dtype: Any, heads: int, kv_heads: int, n: int, cached: int, page_size: int, seed: int
+) -> tuple[Any, list[int], Any, Any, Any]:
+    """A pool whose first ``cached`` positions hold random keys and values under a shuffled
+    page table, and a new chunk's ``n`` queries, keys and values."""
+    from prefixflight.backends.torch import PagedKVPool
+
+    pages = -(-(cached + n) // page_size)
+    pool = PagedKVPool(
+        num_layers=1,
+        num_kv_heads=kv_heads,
+        head_dim=16,
+        num_pages=pages + 2,
+        page_size=page_size,
+        device="cpu",
+        dtype=dtype,
+    )
+    gen = torch.Generator().manual_seed(seed)
+    for view in pool.layer_views(0):
+        view.copy_(torch.randn(view.shape, generator=gen).to(dtype))
+    table = list(range(2, pages + 2))
+    random.Random(seed).shuffle(table)
+    q = torch.randn((n, heads, 16), generator=gen).to(dtype)
+    k = torch.randn((n, kv_heads, 16), generator=gen).to(dtype)
+    v = torch.randn((n, kv_heads, 16), generator=gen).to(dtype)
+    return pool, table, q, k, v
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    dtype=st.sampled_from(["float32", "bfloat16"]),
+    shape=st.sampled_from([(4, 2), (14, 2), (9, 3), (4, 4)]),
+    n=st.integers(2, 90),
+    cached=st.integers(0, 70),
+    page_size=st.integers(1, 8),
+    seed=st.integers(0, 2**16),
+)
+def test_lone_row_kernel_matches_products_and_reference(
+    dtype: str, shape: tuple[int, int], n: int, cached: int, page_size: int, seed: int
+) -> None:
+    """A lone row, with and without a cached prefix on scattered pages: the fused kernel
+    (causal, or prefix + causal merged by log-sum-exp) and the blocked products both match
+    an fp64 reference within the dtype's rounding, and they are the paths taken."""
+    from prefixflight.backends.torch import _paged
+
+    dt = getattr(torch, dtype)
+    heads, kv_heads = shape
+    pool, table, q, k, v = lone_row(dt, heads, kv_heads, n, cached, page_size, seed)
+    calls = 0
+    real = _paged._FLASH
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        return real(*args, **kwargs)
+
+    outs = {}
+    saved = dict(_paged.FLASH_MIN)
+    try:
+        _paged._FLASH = counted
+        for name, least in (("kernel", 0), ("products", None)):
+            _paged.FLASH_MIN.clear()
+            if least is not None:
+                _paged.FLASH_MIN[dt] = least
+            before = calls
+            with torch.inference_mode():
+                step = PagedStep(pool, [(cached, n, table)], alone=64)
+                outs[name] = step.attend(0, q, k, v, 0.25)
+            assert calls - before == (0 if least is None else 1 if not cached else 2)
+            # the new keys and values are in the pool, where the reference reads them
+            keys, values = (
+                _paged._gather(view, torch.tensor(table), page_size)[:, : cached + n]
+                for view in pool.layer_views(0)
+            )
+    finally:
+        _paged._FLASH = real
+        _paged.FLASH_MIN.clear()
+        _paged.FLASH_MIN.update(saved)
+    want = reference_attention(q, keys, values, cached, 0.25)
+    tol = 2e-6 if dtype == "float32" else 4e-2  # bf16: 0.019 the worst of 300 random rows
+    for name, out in outs.items():
+        assert out.shape == (n, heads, 16) and out.dtype == dt, name
+        torch.testing.assert_close(out.double(), want, atol=tol, rtol=0, msg=name)
+
+
+def test_kernel_choice_follows_dtype_and_keys() -> None:
+    """fp32 lone rows take the fused kernel (one causal call without a cached prefix, two
+    with one); bf16 rows the products, at any length, and so does a lone decode (one
+    query)."""
+    from prefixflight.backends.torch import _paged
+
+    calls = []
+    real = _paged._FLASH
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args[1].shape[2])  # the keys of each call
+        return real(*args, **kwargs)
+
+    cases = [
+        ("float32", 0, 5, [5]),
+        ("float32", 7, 5, [7, 5]),
+        ("float32", 11, 1, []),
+        ("bfloat16", 0, 40, []),
+        ("bfloat16", 9000, 8, []),
+    ]
+    try:
+        _paged._FLASH = counted
+        for dtype, cached, n, want in cases:
+            dt = getattr(torch, dtype)
+            pool, table, q, k, v = lone_row(dt, 4, 2, n, cached, 16, 0)
+            calls.clear()
+            with torch.inference_mode():
+                PagedStep(pool, [(cached, n, table)]).attend(0, q, k, v, 0.25)
+            assert calls == want, (dtype, cached, n)
+    finally:
+        _paged._FLASH = real
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    shared=st.lists(st.integers(0, VOCAB - 1), min_size=0, max_size=40).map(tuple),
+    tails=st.lists(prompt_st, min_size=2, max_size=4),
+    page_size=st.integers(1, 8),
+    long_chunk=st.integers(2, 24),
+    seed=st.integers(0, 2**16),
+)
+def test_rows_one_by_one_through_the_kernel_equal_gather(
+    tiny_model: Any,
+    shared: tuple[int, ...],
+    tails: list[tuple[int, ...]],
+    page_size: int,
+    long_chunk: int,
+    seed: int,
+) -> None:
+    """With `PER_ROW_MIN` at 0 for fp32, the rows a step would attend together (decodes,
+    short chunks) each run alone through the fused kernel: still the gather path's tokens
+    and logits, and the kernel is what ran them."""
+    from prefixflight.backends.torch import _paged
+
+    calls = 0
+    real = _paged._FLASH
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        return real(*args, **kwargs)
+
+    saved = dict(_paged.PER_ROW_MIN)
+    try:
+        _paged._FLASH = counted
+        _paged.PER_ROW_MIN[torch.float32] = 0
+        run_mixed(
+            tiny_model,
+            [shared + t for t in tails],
+            page_size=page_size,
+            long_chunk=long_chunk,
+            new_tokens=3,
+            rng=random.Random(seed),
+        )
+    finally:
+        _paged._FLASH = real
+        _paged.PER_ROW_MIN.clear()
+        _paged.PER_ROW_MIN.update(saved)
+    assert calls
+
+
+def test_batched_rows_go_one_by_one_from_per_row_min_keys() -> None:
+    """fp32 decode rows over fewer than `PER_ROW_MIN` keys past their shared pages are
+    attended together (no kernel call); from that many on, one kernel call each (a decode:
+    one call, no mask); bf16 rows always together."""
+    from prefixflight.backends.torch import PagedKVPool, _paged
+
+    calls = []
+    real = _paged._FLASH
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(kwargs.get("is_causal", False))
+        return real(*args, **kwargs)
+
+    least = _paged.PER_ROW_MIN[torch.float32]
+    try:
+        _paged._FLASH = counted
+        for dtype, context, want in (
+            ("float32", least - 40, []),
+            ("float32", least, [False, False, False]),
+            ("bfloat16", least + 500, []),
+        ):
+            dt = getattr(torch, dtype)
+            pages = -(-(context + 1) // 16)
+            pool = PagedKVPool(
+                num_layers=1,
+                num_kv_heads=2,
+                head_dim=16,
+                num_pages=3 * pages,
+                page_size=16,
+                device="cpu",
+                dtype=dt,
+            )
+            tables = [list(range(r * pages, (r + 1) * pages)) for r in range(3)]
+            q = torch.randn((3, 4, 16)).to(dt)
+            k, v = torch.randn((3, 2, 16)).to(dt), torch.randn((3, 2, 16)).to(dt)
+            calls.clear()
+            with torch.inference_mode():
+                step = PagedStep(pool, [(context - r, 1, tables[r]) for r in range(3)])
+                out = step.attend(0, q, k, v, 0.25)
+            assert calls == want, (dtype, context)
+            saved = dict(_paged.PER_ROW_MIN)
+            _paged.PER_ROW_MIN.clear()  # the same rows together: the same attention
+            try:
+                with torch.inference_mode():
+                    step = PagedStep(pool, [(context - r, 1, tables[r]) for r in range(3)])
+                    together = step.attend(0, q, k, v, 0.25)
+            finally:
+                _paged.PER_ROW_MIN.update(saved)
+            tol = 1e-5 if dtype == "float32" else 0.0
+            torch.testing.assert_close(out, together, atol=tol, rtol=0)
+    finally:
+        _paged._FLASH = real

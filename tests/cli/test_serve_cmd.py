@@ -32,7 +32,8 @@ ROOT = Path(__file__).resolve().parents[2]
         (["--num-pages", "0"], "must be >= 1, got 0"),
         (["--release-policy", "sometimes"], "invalid choice: 'sometimes'"),
         (["--max-running", "8", "--max-batch-tokens", "4"], "--max-batch-tokens (4) must be"),
-        (["--model", "gpt2"], "invalid choice: 'gpt2'"),
+        (["--model", "gpt2"], "--model 'gpt2': no such model folder"),
+        (["--model", "tiny", "--replicas", "2", "--model", "x"], "--replicas serves --model"),
         (["--served-model-name", " "], "--served-model-name must not be empty"),
         # the KV-event flags are checked before any model loads
         (["--kv-events", "127.0.0.1:5557"], "--kv-events must be a ZMQ address"),
@@ -167,13 +168,13 @@ def test_serve_smollm2_answers_the_openai_client_and_stops_at_end_of_turn() -> N
 class TinyServer:
     """``prefixflight serve --model tiny`` in a subprocess on a free loopback port."""
 
-    def __init__(self, *flags: str) -> None:
+    def __init__(self, *flags: str, model: str = "tiny") -> None:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(
             [str(ROOT / d) for d in ("core", "specs", "backends", "serve")]
             + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
         )
-        argv = ["serve", "--model", "tiny", "--port", "0", "--threads", "1", *flags]
+        argv = ["serve", "--model", model, "--port", "0", "--threads", "1", *flags]
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "prefixflight.cli", *argv],
             stderr=subprocess.PIPE,
@@ -317,3 +318,142 @@ def test_serve_loads_on_a_thread_that_ends_and_passes_its_errors_on() -> None:
 
     with pytest.raises(UsageError, match="no such model"):
         _on_a_thread_that_ends(broken)
+
+
+# -- --model PATH: a Llama or Qwen2 Hugging Face folder --------------------------------------
+def write_model_folder(folder: Path, family: str, *, tokenizer: bool) -> Any:
+    """The tiny random-weight ``family`` model saved as a Hugging Face folder (safetensors),
+    with a word-level tokenizer (``w3`` .. ``w511``, ``</s>`` = the config's EOS 2) and a
+    chat template when ``tokenizer``; returns the tokenizer (or None)."""
+    from prefixflight.backends.torch import tiny_model
+
+    tiny_model(family, 7).save_pretrained(folder)  # type: ignore[arg-type]
+    if not tokenizer:
+        return None
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 512)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+    fast.chat_template = (
+        "{% for m in messages %}w4 {{ m['content'] }} {% endfor %}"
+        "{% if add_generation_prompt %}w5 {% endif %}"
+    )
+    fast.save_pretrained(folder)
+    return fast
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_serve_a_model_folder_answers_as_transformers_does(tmp_path: Path, family: str) -> None:
+    """A Llama folder with a tokenizer and a Qwen2 folder without one, served for real on a
+    loopback port: /v1/models names --served-model-name (default: the path), and in fp32 a
+    greedy completion is what transformers' own generate answers from the same folder."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("fastapi")
+    openai = pytest.importorskip("openai")
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path / f"tiny-{family}"
+    tokenizer = write_model_folder(folder, family, tokenizer=family == "llama")
+    name = "my-model" if family == "llama" else str(folder)
+    flags = ["--dtype", "float32", "--num-pages", "64"]
+    if family == "llama":
+        flags += ["--served-model-name", name]
+    server = TinyServer(*flags, model=str(folder))
+    prompt = "w9 w17 w250 w31 w8 w100 w77"
+    try:
+        with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as client:
+            assert [m.id for m in client.models.list()] == [name]
+            out = client.completions.create(model=name, prompt=prompt, max_tokens=12, temperature=0)
+            if tokenizer is not None:
+                chat = client.chat.completions.create(
+                    model=name, messages=[{"role": "user", "content": "w9 w10"}], max_tokens=4
+                )
+                assert chat.usage is not None and chat.usage.prompt_tokens == 4  # the template
+    finally:
+        server.proc.send_signal(signal.SIGINT)
+        assert server.wait() == 0
+    assert not any("Traceback" in line for line in server.err), server.err
+    model: Any = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model.eval()
+    if tokenizer is None:
+        assert any("has no tokenizer" in line for line in server.err), server.err
+        v = model.config.vocab_size - 1
+        ids = [ord(c) % v + 1 for c in prompt]  # the character codec
+    else:
+        ids = tokenizer(prompt)["input_ids"]
+    with torch.no_grad():
+        want = model.generate(
+            torch.tensor([ids]), max_new_tokens=12, do_sample=False, pad_token_id=0
+        )[0, len(ids) :].tolist()
+    eos = 2  # the config's (and generation_config.json's) EOS
+    if eos in want:
+        want = want[: want.index(eos)]
+        assert out.choices[0].finish_reason == "stop"
+    if tokenizer is None:
+        assert out.choices[0].text == "".join(chr(32 + t % 95) for t in want)
+    else:
+        assert out.choices[0].text == tokenizer.decode(want, skip_special_tokens=True)
+    assert out.usage is not None and out.usage.completion_tokens == len(want) + (len(want) < 12)
+
+
+@pytest.mark.parametrize(
+    ("files", "message"),
+    [
+        (None, "no such model folder"),
+        ({}, "has no config.json: not a Hugging Face model folder"),
+        ({"config.json": "{nope"}, ": config.json is not valid JSON"),
+        ({"config.json": "[1]"}, ": config.json is not a JSON object"),
+        (
+            {"config.json": '{"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}'},
+            "is a GPT2LMHeadModel model (model_type 'gpt2'); prefixflight serves the Llama and "
+            "Qwen2 architectures (LlamaForCausalLM, Qwen2ForCausalLM)",
+        ),
+        (
+            {"config.json": '{"model_type": "mistral"}'},
+            "is a mistral model (model_type 'mistral')",
+        ),
+        ({"config.json": '{"model_type": "llama"}'}, "has no *.safetensors weights"),
+    ],
+)
+def test_a_model_folder_that_cannot_be_served_is_a_one_line_error(
+    tmp_path: Path, files: dict[str, str] | None, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Checked before the port is bound or torch loads: exit 2 and one line that names the
+    path (and the architecture, for one that is not Llama or Qwen2)."""
+    folder = tmp_path / "model"
+    if files is not None:
+        folder.mkdir()
+        for name, text in files.items():
+            (folder / name).write_text(text)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--model", str(folder)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    (line,) = [ln for ln in err.splitlines() if "error:" in ln]
+    assert line.startswith(f"prefixflight serve: error: --model {str(folder)!r}"), line
+    assert message in line and "Traceback" not in err
+
+
+@pytest.mark.torch
+def test_weights_that_do_not_load_are_a_one_line_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A folder that passes the file checks but whose safetensors file is not one: exit 1,
+    one line naming the path, no traceback."""
+    pytest.importorskip("torch")
+    pytest.importorskip("fastapi")
+    folder = tmp_path / "model"
+    write_model_folder(folder, "llama", tokenizer=False)
+    for weights in folder.glob("*.safetensors"):
+        weights.write_bytes(b"not a safetensors file")
+    assert main(["serve", "--model", str(folder), "--port", "0", "--threads", "1"]) == 1
+    err = capsys.readouterr().err.strip()
+    (line,) = [ln for ln in err.splitlines() if "error:" in ln]
+    assert line.startswith(f"prefixflight serve: error: cannot load the model in {str(folder)!r}")
+    assert "Traceback" not in err

