@@ -25,6 +25,7 @@ from typing import Any
 import attrs
 
 from prefixflight.core import ConfigError
+from prefixflight.core._validate import assert_never
 from prefixflight.core.flight import (
     Aborted,
     Arrived,
@@ -33,6 +34,7 @@ from prefixflight.core.flight import (
     FlightCoordinator,
     FlightDecision,
     FlightKey,
+    Independent,
     Lead,
     Placement,
     PrefillDone,
@@ -155,10 +157,10 @@ class _Plugin:
                         self._held.pop(rid, None)
                 case Promote():
                     self._held.pop(d.request_id, None)
-                case Lead():
-                    pass
+                case Lead() | Independent():
+                    pass  # admitted as vLLM would
                 case _:
-                    pass
+                    assert_never(d)
 
     def _flight_step(self) -> None:
         """Report progress and ends to the coordinator (after each schedule and update)."""
