@@ -293,7 +293,7 @@ class Server:
         total = 0.0
         for family in text_string_to_metric_families(text):
             for s in family.samples:
-                if self.kind == "vllm":
+                if self.kind.startswith("vllm"):
                     if (
                         s.name == "vllm:prompt_tokens_by_source_total"
                         and s.labels.get("source") == "local_compute"
