@@ -90,7 +90,7 @@ def test_prefixflight_passes_and_the_json_says_what_ran(
     engine, s3fifo, _, sched, index = doc["checks"]
     assert [c["name"] for c in doc["checks"]] == ["engine", "s3fifo", "lru", "scheduler", "index"]
     assert index["machine"] == "KVIndexConformance" and index["adapter"] == "ReplicaIndexAdapter"
-    assert [d["name"] for d in index["declared"]] == ["order", "copies"]
+    assert [d["name"] for d in index["declared"]] == ["order"]
     assert engine["rules"] == ["admit", "finish"]
     assert sched["machine"] == "SchedulerConformance" and sched["declared"] == []
     assert sched["adapter"] == "PrefixflightSchedulerAdapter"

@@ -67,6 +67,24 @@ def test_a_block_stays_resident_while_some_medium_holds_it() -> None:
     assert 1 not in idx
 
 
+@pytest.mark.parametrize("rebuild", [False, True], ids=["publisher-hashes", "rebuilt-keys"])
+def test_a_block_cached_twice_stays_resident_until_its_last_copy_is_removed(
+    rebuild: bool,
+) -> None:
+    """vLLM caches a block twice when two requests compute it, and reports each copy's store
+    and removal: the first removal leaves the other copy serving hits."""
+    idx = ReplicaBlockIndex("r", hasher=BlockHasher(block_size=BS) if rebuild else None)
+    for _ in range(2):
+        idx.apply(_stored([7], None, [5] * BS))
+    (key,) = idx.keys()
+    idx.apply(WireBlockRemoved(block_hashes=(7,)))
+    assert idx.keys() == {key} and idx.stats.removed == 1
+    idx.apply(WireBlockRemoved(block_hashes=(7,)))
+    assert len(idx) == 0 and idx.stats.removed == 2
+    idx.apply(WireBlockRemoved(block_hashes=(7,)))
+    assert idx.stats.unknown_removed == 1
+
+
 def test_sha256_digests_and_their_int_form_are_the_same_key() -> None:
     (digest,) = BlockHasher(block_size=BS).hash_tokens([1, 2, 3, 4])
     idx = ReplicaBlockIndex("r")

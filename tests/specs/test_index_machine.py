@@ -67,24 +67,16 @@ def test_our_router_index_passes_under_its_declaration() -> None:
     assert machine_for(ReplicaIndexAdapter).__mro__[1] is KVIndexConformance
     run_state_machine_as_test(KVIndexConformance, settings=_PASS)
     assert [d["name"] for d in declared_differences(ReplicaIndexAdapter.semantics)] == [
-        "order",
-        "copies",
+        "order"
     ]
 
 
-@pytest.mark.parametrize(
-    ("set_back", "says"),
-    [
-        ({"order": "any"}, "the index predicts"),
-        ({"copies": "counted"}, "the index predicts"),
-    ],
-)
+@pytest.mark.parametrize(("set_back", "says"), [({"order": "any"}, "the index predicts")])
 def test_each_declared_difference_of_our_index_is_needed(
     set_back: dict[str, Any], says: str
 ) -> None:
-    """Without ``order="parents-first"`` a child stored before its parent cannot be keyed;
-    without ``copies="single"`` a block cached twice is dropped at its first removal."""
-    declared = IndexSemantics(**{**{"order": "parents-first", "copies": "single"}, **set_back})
+    """Without ``order="parents-first"`` a child stored before its parent cannot be keyed."""
+    declared = IndexSemantics(**{**{"order": "parents-first"}, **set_back})
     with pytest.raises(AssertionError, match=says):
         run_state_machine_as_test(_machine(ReplicaIndexAdapter, declared), settings=_CATCH)
 

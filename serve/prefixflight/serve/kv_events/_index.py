@@ -75,9 +75,11 @@ class IndexStats:
 class ReplicaBlockIndex:
     """One replica's resident blocks, as its KV events say (see the module docstring).
 
-    A block is resident while some medium (``"GPU"``, ``"CPU"``) holds it; a removal names
-    its medium. ``ghost_capacity`` bounds how many removed blocks' rebuilt keys are
-    remembered, so a block stored after its parent was evicted can still be keyed.
+    A block is resident while some medium (``"GPU"``, ``"CPU"``) holds a copy of it; a
+    removal names its medium and takes one copy (vLLM caches a block twice when two requests
+    compute it, and reports each copy's store and removal). ``ghost_capacity`` bounds how
+    many removed blocks' rebuilt keys are remembered, so a block stored after its parent was
+    evicted can still be keyed.
     ``max_blocks`` bounds the resident blocks held: past it the blocks stored first are
     forgotten (counted as ``evicted``; a forgotten block only costs a routing hint), so a
     publisher that stores without end, or one event of a million blocks, cannot grow the
@@ -117,7 +119,7 @@ class ReplicaBlockIndex:
         self._name = name
         self._hasher = hasher
         self._ghost_capacity = ghost_capacity
-        self._tiers: dict[int, set[str]] = {}  # folded key -> media holding it
+        self._tiers: dict[int, dict[str, int]] = {}  # folded key -> medium -> copies
         self._keys: dict[int, BlockHash] = {}  # folded engine hash -> rebuilt key (resident)
         self._ghosts: OrderedDict[int, BlockHash] = OrderedDict()  # same, for removed blocks
         self._stats = IndexStats()
@@ -196,7 +198,8 @@ class ReplicaBlockIndex:
         hasher = self._hasher
         if hasher is None:
             for key in engine:
-                self._tiers.setdefault(key, set()).add(medium)
+                copies = self._tiers.setdefault(key, {})
+                copies[medium] = copies.get(medium, 0) + 1
             self._count(stored=len(engine))
             self._bound()
             return
@@ -207,7 +210,8 @@ class ReplicaBlockIndex:
         for e, o in zip(engine, ours, strict=True):
             self._ghosts.pop(e, None)
             self._keys[e] = o
-            self._tiers.setdefault(fold_hash(o), set()).add(medium)
+            copies = self._tiers.setdefault(fold_hash(o), {})
+            copies[medium] = copies.get(medium, 0) + 1
         self._count(stored=len(engine))
         self._bound()
 
@@ -263,8 +267,11 @@ class ReplicaBlockIndex:
             if key is None or tiers is None or medium not in tiers:
                 unknown += 1
                 continue
-            tiers.discard(medium)
             removed += 1
+            if tiers[medium] > 1:  # another copy of the block stays cached there
+                tiers[medium] -= 1
+                continue
+            del tiers[medium]
             if not tiers:
                 del self._tiers[key]
                 if self._hasher is not None:

@@ -31,12 +31,10 @@ class ReplicaIndexAdapter:
     """One `ReplicaBlockIndex` fed the machine's events (``index_cls`` replaces the class).
 
     Declares ``order="parents-first"``: a block is keyed from its parent's rebuilt key, so a
-    child stored before its parent cannot be keyed; and ``copies="single"``: a block is
-    resident while some medium holds it, so the first ``removed`` of a block cached twice
-    drops it.
+    child stored before its parent cannot be keyed. It counts copies (the default).
     """
 
-    semantics = IndexSemantics(order="parents-first", copies="single")
+    semantics = IndexSemantics(order="parents-first")
     block_size = 4
 
     def __init__(self, *, index_cls: type[Any] | None = None) -> None:
