@@ -4,12 +4,13 @@ vLLM lives in its own venv (``$PREFIXFLIGHT_VLLM_VENV``, default ``<repo>/.venv-
 benchmarks/vllm/setup.sh builds it when missing and installs this checkout's prefixflight
 into it, as a user installs the plugin. These tests fail, never skip, when it cannot be built.
 
-Four servers start side by side. Three have a pool of 23 blocks of 32 tokens: stock vLLM,
+Five servers start side by side. Three have a pool of 23 blocks of 32 tokens: stock vLLM,
 the plugin with ``"lru"`` and the plugin with ``"s3fifo"`` (both in checked mode). Each serves
 one scripted sequence, one request at a time with ``max_tokens`` 1: a 201-token prefix used
 twice, a scan of one-off prompts that passes twice the pool through it, then the prefix again.
 The fourth runs single flight (checked) where stock vLLM prefills identical prompts side by
-side (``--long-prefill-token-threshold``), and serves a burst of 4 identical prompts.
+side (``--long-prefill-token-threshold``), and serves a burst of 4 identical prompts. The
+fifth gets the s3fifo settings from ``PREFIXFLIGHT_VLLM`` alone (the general plugin).
 """
 
 from __future__ import annotations
@@ -31,9 +32,12 @@ ROOT = Path(__file__).resolve().parents[2]
 VIOLATION = "prefixflight invariant violation:"
 BLOCKS = 24  # vLLM's pool, its null block included: 23 blocks of 32 tokens
 HOT = "H" * 200 + "."  # 201 tokens (one per byte): 6 full blocks, all of them hittable
+ENV_SETTINGS = {"eviction": "s3fifo", "checked": True}
 SIDE_BY_SIDE = ["--long-prefill-token-threshold", "256", "--max-num-batched-tokens", "1024"]
 # name -> (the plugin's settings, more vLLM arguments, max model length)
 CONFIGS: dict[str, tuple[dict[str, Any] | None, list[str], int]] = {
+    # the settings from the environment only: the general plugin names the scheduler
+    "env": (None, ["--num-gpu-blocks-override", str(BLOCKS)], 512),
     "stock": (None, ["--num-gpu-blocks-override", str(BLOCKS)], 512),
     "lru": ({"eviction": "lru", "checked": True}, ["--num-gpu-blocks-override", str(BLOCKS)], 512),
     "s3fifo": (
@@ -88,12 +92,14 @@ def servers(
 
     def start(i: int, name: str) -> Any:
         settings, extra, max_model_len = CONFIGS[name]
+        env = {"PREFIXFLIGHT_VLLM": json.dumps(ENV_SETTINGS)} if name == "env" else None
         return launcher.launch(
             model,
             venv=venv,
             cpus=str(i % 2),
             max_model_len=max_model_len,
             args=plugin_args(settings, extra),
+            env=env,
             log_path=logs / f"{name}.log",
         )
 
@@ -138,7 +144,7 @@ def scripted(server: Any, model: Path) -> list[int]:
 
 @pytest.fixture(scope="module")
 def results(servers: dict[str, Any], model: Path) -> dict[str, list[int]]:
-    return {name: scripted(servers[name], model) for name in ("stock", "lru", "s3fifo")}
+    return {name: scripted(servers[name], model) for name in ("stock", "lru", "s3fifo", "env")}
 
 
 def test_lru_gives_stock_vllms_cached_tokens_request_for_request(
@@ -167,6 +173,17 @@ def test_the_settings_are_printed_at_start_up_and_checked_mode_finds_no_violatio
     assert "prefixflight:" not in Path(servers["stock"].log_path).read_text(errors="replace")
 
 
+def test_settings_in_the_environment_need_no_scheduler_flag(
+    servers: dict[str, Any], results: dict[str, list[int]]
+) -> None:
+    """``PREFIXFLIGHT_VLLM`` alone (no ``--scheduler-cls``, no ``--additional-config``): the
+    general plugin names the scheduler, which behaves as the s3fifo server does."""
+    log = Path(servers["env"].log_path).read_text(errors="replace")
+    assert "prefixflight: eviction=s3fifo" in log and "checked=on" in log, log[-2000:]
+    assert VIOLATION not in log
+    assert results["env"] == results["s3fifo"]
+
+
 def test_single_flight_computes_a_burst_of_identical_prompts_once(
     servers: dict[str, Any], model: Path
 ) -> None:
@@ -181,6 +198,25 @@ def test_single_flight_computes_a_burst_of_identical_prompts_once(
     log = Path(servers["flight"].log_path).read_text(errors="replace")
     assert "single_flight=after_prefill(max_wait_s=30.0" in log
     assert VIOLATION not in log
+
+
+def test_a_bad_setting_in_the_environment_stops_vllm_before_the_model_loads(
+    venv: Path, model: Path, tmp_path: Path
+) -> None:
+    launcher = _launcher()
+    log = tmp_path / "bad-env.log"
+    with pytest.raises(launcher.VLLMError):
+        launcher.launch(
+            model,
+            venv=venv,
+            max_model_len=512,
+            env={"PREFIXFLIGHT_VLLM": json.dumps({"eviction": "arc"})},
+            log_path=log,
+            startup_timeout_s=300,
+        )
+    text = log.read_text(errors="replace")
+    assert "prefixflight.eviction.policy must be 'lru' or 's3fifo', got 'arc'" in text
+    assert "Starting to load model" not in text  # refused before the engine started
 
 
 def test_a_bad_setting_stops_vllm_at_start_up_with_a_message_naming_it(
