@@ -13,9 +13,13 @@ skipped because torch or transformers cannot be imported fails instead.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
+import sys
 from collections.abc import Generator
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -70,3 +74,16 @@ def pytest_make_collect_report(collector: pytest.Collector) -> Generator[None, A
 def pytest_runtest_makereport(item: pytest.Item, call: Any) -> Generator[None, Any, None]:
     outcome = yield
     _fail_torch_skip(outcome.get_result())
+
+
+@pytest.fixture(scope="session")
+def vllm_launcher() -> ModuleType:
+    """benchmarks/vllm/launch.py, which starts vLLM from its own venv (standard library only,
+    so it is loaded by path, once for the session)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "vllm" / "launch.py"
+    spec = importlib.util.spec_from_file_location("vllm_launch", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["vllm_launch"] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module

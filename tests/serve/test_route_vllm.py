@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import importlib.util
 import os
 import socket
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,18 +38,6 @@ BLOCK = 32
 MODEL = "smollm2"
 
 
-def _launcher() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "vllm_launch", ROOT / "benchmarks" / "vllm" / "launch.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = sys.modules.get("vllm_launch") or importlib.util.module_from_spec(spec)
-    if "vllm_launch" not in sys.modules:
-        sys.modules["vllm_launch"] = module
-        spec.loader.exec_module(module)
-    return module
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -66,10 +52,12 @@ def smollm2() -> Any:
 
 
 @pytest.fixture(scope="module")
-def replicas(smollm2: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Any]]:
+def replicas(
+    smollm2: Any, tmp_path_factory: pytest.TempPathFactory, vllm_launcher: ModuleType
+) -> Iterator[list[Any]]:
     """Two vLLM servers (the shared launcher, benchmarks/vllm/launch.py), one core each,
     started side by side; each is ``rep<i>`` and ``smollm2``, with KV events on."""
-    launcher = _launcher()
+    launcher = vllm_launcher
     try:
         venv = launcher.vllm_venv()
     except launcher.VLLMError as exc:

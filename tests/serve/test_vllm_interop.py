@@ -21,7 +21,6 @@ built). Its classes run in a helper process in that venv (tests/serve/_vllm_side
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import queue
@@ -59,27 +58,11 @@ SIDE = Path(__file__).with_name("_vllm_side.py")
 BLOCK = 32  # vLLM's CPU backend wants a multiple of 32
 
 
-def _load_launcher() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "vllm_launch", ROOT / "benchmarks" / "vllm" / "launch.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["vllm_launch"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="session")
-def launcher() -> ModuleType:
-    return _load_launcher()
-
-
-@pytest.fixture(scope="session")
-def vllm_venv(launcher: ModuleType) -> Path:
+def vllm_venv(vllm_launcher: ModuleType) -> Path:
     try:
-        venv: Path = launcher.vllm_venv()
-    except launcher.VLLMError as exc:
+        venv: Path = vllm_launcher.vllm_venv()
+    except vllm_launcher.VLLMError as exc:
         pytest.fail(f"the vLLM venv is needed and could not be built: {exc}")
     return venv
 
@@ -298,10 +281,13 @@ def _settle(sub: KVEventSubscriber, replica: str, done: Callable[[], bool], what
 
 
 def test_our_index_follows_a_real_vllm_server(
-    launcher: ModuleType, vllm_venv: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    vllm_launcher: ModuleType,
+    vllm_venv: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     started = time.monotonic()
-    model = launcher.write_tiny_model(tmp_path / "model", vllm_venv)
+    model = vllm_launcher.write_tiny_model(tmp_path / "model", vllm_venv)
     hasher = BlockHasher(block_size=BLOCK)  # rebuilds keys from the events' token ids
     address = PublisherAddress(
         "tcp://127.0.0.1:*", replay_endpoint=f"ipc://{tmp_path}/replay", bind=True
@@ -313,7 +299,7 @@ def test_our_index_follows_a_real_vllm_server(
             "replay_endpoint": address.replay_endpoint,
             "topic": "kv@vllm-0@tiny",
         }
-        server = launcher.launch(
+        server = vllm_launcher.launch(
             model,
             venv=vllm_venv,
             served_model_name="tiny",

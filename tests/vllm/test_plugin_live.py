@@ -16,9 +16,7 @@ fifth gets the s3fifo settings from ``PREFIXFLIGHT_VLLM`` alone (the general plu
 from __future__ import annotations
 
 import concurrent.futures
-import importlib.util
 import json
-import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -49,18 +47,6 @@ CONFIGS: dict[str, tuple[dict[str, Any] | None, list[str], int]] = {
 }
 
 
-def _launcher() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "vllm_launch", ROOT / "benchmarks" / "vllm" / "launch.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = sys.modules.get("vllm_launch") or importlib.util.module_from_spec(spec)
-    if "vllm_launch" not in sys.modules:
-        sys.modules["vllm_launch"] = module
-        spec.loader.exec_module(module)
-    return module
-
-
 def plugin_args(settings: dict[str, Any] | None, extra: list[str]) -> list[str]:
     args = [*extra, "--max-num-seqs", "4"]
     if settings is not None:
@@ -70,24 +56,23 @@ def plugin_args(settings: dict[str, Any] | None, extra: list[str]) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def venv() -> Path:
-    launcher = _launcher()
+def venv(vllm_launcher: ModuleType) -> Path:
     try:
-        return Path(launcher.vllm_venv())
-    except launcher.VLLMError as exc:
+        return Path(vllm_launcher.vllm_venv())
+    except vllm_launcher.VLLMError as exc:
         pytest.fail(f"the vLLM venv is needed and could not be built: {exc}")
 
 
 @pytest.fixture(scope="module")
-def model(venv: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return Path(_launcher().write_tiny_model(tmp_path_factory.mktemp("tiny") / "m", venv))
+def model(venv: Path, tmp_path_factory: pytest.TempPathFactory, vllm_launcher: ModuleType) -> Path:
+    return Path(vllm_launcher.write_tiny_model(tmp_path_factory.mktemp("tiny") / "m", venv))
 
 
 @pytest.fixture(scope="module")
 def servers(
-    venv: Path, model: Path, tmp_path_factory: pytest.TempPathFactory
+    venv: Path, model: Path, tmp_path_factory: pytest.TempPathFactory, vllm_launcher: ModuleType
 ) -> Iterator[dict[str, Any]]:
-    launcher = _launcher()
+    launcher = vllm_launcher
     logs = tmp_path_factory.mktemp("logs")
 
     def start(i: int, name: str) -> Any:
@@ -200,38 +185,42 @@ def test_single_flight_computes_a_burst_of_identical_prompts_once(
     assert VIOLATION not in log
 
 
-def test_a_bad_setting_in_the_environment_stops_vllm_before_the_model_loads(
-    venv: Path, model: Path, tmp_path: Path
+@pytest.mark.parametrize(
+    ("flags", "env", "message"),
+    [
+        (
+            plugin_args({"eviction": {"policy": "s3fifo", "small_ratio": 2}}, []),
+            None,
+            "prefixflight.eviction.small_ratio must be in [0, 1], got 2",
+        ),
+        (
+            [],
+            {"PREFIXFLIGHT_VLLM": json.dumps({"eviction": "arc"})},
+            "prefixflight.eviction.policy must be 'lru' or 's3fifo', got 'arc'",
+        ),
+    ],
+    ids=["flags", "environment"],
+)
+def test_a_bad_setting_stops_vllm_before_the_model_loads_naming_it(
+    venv: Path,
+    model: Path,
+    tmp_path: Path,
+    vllm_launcher: ModuleType,
+    flags: list[str],
+    env: dict[str, str] | None,
+    message: str,
 ) -> None:
-    launcher = _launcher()
-    log = tmp_path / "bad-env.log"
-    with pytest.raises(launcher.VLLMError):
-        launcher.launch(
-            model,
-            venv=venv,
-            max_model_len=512,
-            env={"PREFIXFLIGHT_VLLM": json.dumps({"eviction": "arc"})},
-            log_path=log,
-            startup_timeout_s=300,
-        )
-    text = log.read_text(errors="replace")
-    assert "prefixflight.eviction.policy must be 'lru' or 's3fifo', got 'arc'" in text
-    assert "Starting to load model" not in text  # refused before the engine started
-
-
-def test_a_bad_setting_stops_vllm_at_start_up_with_a_message_naming_it(
-    venv: Path, model: Path, tmp_path: Path
-) -> None:
-    launcher = _launcher()
     log = tmp_path / "bad.log"
-    with pytest.raises(launcher.VLLMError):
-        launcher.launch(
+    with pytest.raises(vllm_launcher.VLLMError):
+        vllm_launcher.launch(
             model,
             venv=venv,
             max_model_len=512,
-            args=plugin_args({"eviction": {"policy": "s3fifo", "small_ratio": 2}}, []),
+            args=flags,
+            env=env,
             log_path=log,
             startup_timeout_s=300,
         )
     text = log.read_text(errors="replace")
-    assert "prefixflight.eviction.small_ratio must be in [0, 1], got 2" in text, text[-3000:]
+    assert message in text, text[-3000:]
+    assert "Starting to load model" not in text  # refused before the engine started
