@@ -163,7 +163,8 @@ class _Plugin:
                     assert_never(d)
 
     def _flight_step(self) -> None:
-        """Report progress and ends to the coordinator (after each schedule and update)."""
+        """Report time, progress and ends to the coordinator, once a step, before it is
+        scheduled (what the last step computed, and who left since)."""
         flights = self._flights
         if flights is None:
             return
@@ -212,8 +213,6 @@ class _Plugin:
                 waiting.prepend_requests(held)
         if self._checker is not None:
             self._checker.scheduled(output, self.requests)  # type: ignore[attr-defined]
-        if self._flights is not None:
-            self._flight_step()
         return output
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
@@ -222,8 +221,6 @@ class _Plugin:
         out = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
         if self._checker is not None:
             self._checker.check()
-        if self._flights is not None:
-            self._flight_step()
         return out
 
 
