@@ -1,7 +1,9 @@
 # mypy: disallow-subclassing-any=False
 """Broken subclasses of the real engines' classes, each with one seeded mistake, for
 ``prefixflight conform ENGINE --impl broken:CLASS`` (run in the peers environment; this
-module imports vLLM, SGLang and libCacheSim, so only that environment can import it)."""
+module imports vLLM, SGLang and libCacheSim, so only that environment can import it); and
+prefixflight.vllm's queue with one seeded mistake each, for ``prefixflight conform
+--adapter broken:CLASS``."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
-from prefixflight.specs.adapters import stub_torchvision
+from prefixflight.specs.adapters import VLLMPluginLRU, VLLMPluginS3FIFO, stub_torchvision
 
 stub_torchvision()
 from sglang.srt.mem_cache.radix_cache import RadixCache  # noqa: E402
@@ -86,6 +88,50 @@ class DroppingScheduler(Scheduler):
         for eco in outputs.values():
             eco.outputs = [o for o in eco.outputs if o.finish_reason is None]
         return outputs
+
+
+# -- prefixflight.vllm's queue in vLLM's pool -------------------------------------------------
+class ReleaseCountingS3FIFOPlugin(VLLMPluginS3FIFO):
+    """S3-FIFO whose frequency also counts releases (``refresh_on_free`` on)."""
+
+    def __init__(self, pages: int, **kwargs: Any) -> None:
+        super().__init__(pages, **kwargs)
+        self.queue._refresh_on_free = True
+
+
+class UnpinnedPlugin(VLLMPluginLRU):
+    """A queue that never tells the policy a block is in use."""
+
+    def __init__(self, pages: int, **kwargs: Any) -> None:
+        super().__init__(pages, **kwargs)
+        self.queue._policy = _NoPins(self.queue.policy)
+
+
+class _NoPins:
+    """A policy whose pins do nothing."""
+
+    def __init__(self, policy: Any) -> None:
+        self._policy = policy
+
+    def pin(self, key: Any) -> None:
+        pass
+
+    def unpin(self, key: Any) -> None:
+        pass
+
+    def __contains__(self, key: Any) -> bool:
+        return key in self._policy
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._policy, name)
+
+
+class OrphanKeepingPlugin(VLLMPluginS3FIFO):
+    """A queue that leaves a block's cached descendants behind when it leaves."""
+
+    def __init__(self, pages: int, **kwargs: Any) -> None:
+        super().__init__(pages, **kwargs)
+        self.queue._forget_chain = lambda key: None
 
 
 # -- SGLang ----------------------------------------------------------------------------------

@@ -18,12 +18,17 @@ from .conftest import HERE, peers_env
 
 pytestmark = pytest.mark.peers
 
-# engine -> (the declared differences per check, {broken class: what its failure says})
+# engine -> (the declared differences per check and adapter, {broken class: what its
+# failure says})
 _ENGINES: dict[str, tuple[dict[str, list[str]], dict[str, str]]] = {
     "vllm": (
-        {"engine": ["hit_cap", "publish", "touch", "pins", "capacity", "duplicates",
-                    "invalidated"],
-         "scheduler": ["same_step_reads", "preemption"]},
+        {"engine VLLMAdapter": ["hit_cap", "publish", "touch", "pins", "capacity",
+                                "duplicates", "invalidated"],
+         "engine VLLMPluginLRU": ["hit_cap", "publish", "touch", "pins", "capacity",
+                                  "duplicates", "orphans", "policy"],
+         "engine VLLMPluginS3FIFO": ["hit_cap", "publish", "touch", "capacity", "duplicates",
+                                     "orphans", "policy"],
+         "scheduler VLLMSchedulerAdapter": ["same_step_reads", "preemption"]},
         {
             "UnderReportingKVCacheManager": "the engine hit 0 tokens, the reference hit 16",
             "LeakyKVCacheManager": "leaked",
@@ -34,7 +39,7 @@ _ENGINES: dict[str, tuple[dict[str, list[str]], dict[str, str]]] = {
         },
     ),
     "sglang": (
-        {"engine": ["hit_cap", "pins", "unit", "capacity"]},
+        {"engine SGLangAdapter": ["hit_cap", "pins", "unit", "capacity"]},
         {
             "UnderMatchingRadixCache": "the engine refused it, the reference hit 16",
             "PageDroppingRadixCache": "cached blocks differ",
@@ -43,9 +48,10 @@ _ENGINES: dict[str, tuple[dict[str, list[str]], dict[str, str]]] = {
     ),
     "libcachesim": (
         {
-            "s3fifo": ["ops", "evictions", "sizing", "main_evictions", "on_promote",
-                       "promote_at", "small_queue", "min_small_blocks"],
-            "lru": ["ops", "evictions"],
+            "s3fifo isolated_LibCacheSimS3FIFO": ["ops", "evictions", "sizing",
+                                                  "main_evictions", "on_promote", "promote_at",
+                                                  "small_queue", "min_small_blocks"],
+            "lru isolated_LibCacheSimLRU": ["ops", "evictions"],
         },
         {"NoRemoveS3FIFO": "after remove(", "StaleLRU": "the implementation"},
     ),
@@ -73,13 +79,36 @@ def test_engine_passes_as_shipped_and_its_broken_subclasses_are_caught(
     shipped, *forks = _run(peers_python, str(HERE / "run_impls.py"), engine, "100", "30", *broken)
     assert shipped["status"] == 0, shipped["stdout"]
     checks = shipped["report"]["checks"]
-    assert {c["name"]: [d["name"] for d in c["declared"]] for c in checks} == declared
+    assert {f"{c['name']} {c['adapter']}": [d["name"] for d in c["declared"]] for c in checks} == (
+        declared
+    )
     assert all(c["examples"] == 100 and c["passed"] for c in checks)
     for fork, says in zip(forks, broken.values(), strict=True):
         assert fork["status"] == 1, f"{fork['impl']} was not caught:\n{fork['stdout']}"
         out = fork["stdout"]
         assert "UNDECLARED DIFFERENCE" in out and says in out, f"{fork['impl']}:\n{out}"
         assert "minimal example:" in out and f"--impl broken:{fork['impl']}" in out
+
+
+# prefixflight.vllm's queue with one seeded mistake -> what its failure says
+_BROKEN_PLUGINS = {
+    "ReleaseCountingS3FIFOPlugin": "cached blocks differ",
+    "UnpinnedPlugin": "KeyError",
+    "OrphanKeepingPlugin": "after invalidate(",
+}
+
+
+@pytest.mark.parametrize("adapter", sorted(_BROKEN_PLUGINS))
+def test_a_broken_vllm_plugin_queue_is_caught(peers_python: Path, adapter: str) -> None:
+    """``conform vllm`` checks prefixflight.vllm's queue in vLLM's pool against the reference
+    engine running the same policy: a queue with one mistake fails it."""
+    run = subprocess.run(
+        [str(peers_python), "-m", "prefixflight.cli", "conform", "--adapter",
+         f"broken:{adapter}", "--examples", "100", "--seed", "1"],
+        cwd=HERE, env=peers_env(), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 1, run.stdout + run.stderr[-2000:]
+    assert "UNDECLARED DIFFERENCE" in run.stdout and _BROKEN_PLUGINS[adapter] in run.stdout
 
 
 def test_libcachesim_crashes_are_findings(peers_python: Path) -> None:

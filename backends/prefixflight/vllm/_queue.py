@@ -20,7 +20,8 @@ carrying it is in use, and its accesses are the hits vLLM gives (``BlockPool.tou
 blocks in use) and the admissions of newly cached blocks (``cache_full_blocks``, deepest
 first). A policy may evict on admission (S3-FIFO's small queue): those blocks lose their hash
 at once. Eviction is chain safe: when a hash leaves the cache, its cached descendants, which
-no lookup can reach any more, leave with it (``orphans_evicted``).
+no lookup can reach any more, leave with it (``orphans_evicted``), in use or not (a block in
+use loses its parent only when vLLM invalidates the parent, whose KV it was computed on).
 
 `install` swaps the queue into a live pool and wraps the pool's methods that move hashes.
 No vLLM import here: the queue reads only the blocks' and the pool's attributes.
@@ -381,8 +382,9 @@ class PolicyQueue:
         for child in list(self._children.pop(key, ())):
             self._parent[child] = None
             blocks = self._copies.get(child)
-            if not blocks or any(not self._free[b.block_id] for b in blocks):
-                continue  # in use: kept until released (no lookup reaches it meanwhile)
+            if not blocks:
+                continue
+            # in use too (its parent was invalidated): the request keeps the page, uncached
             self.stats.orphans_evicted += 1
             for b in list(blocks):
                 self._redundant.pop(b.block_id, None)

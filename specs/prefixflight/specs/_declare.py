@@ -86,6 +86,11 @@ def _ops(*allowed: str) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
     return check
 
 
+POLICY_MACHINES = ("s3fifo", "lru", "fifo", "lfu", "sieve")
+"""The eviction policies a `PolicySemantics` or an `EngineSemantics` can name (each has its
+machine)."""
+
+
 @attrs.frozen(kw_only=True)
 class EngineSemantics:
     """An engine's prefix cache, as its adapter declares it (defaults: the replay task's).
@@ -132,6 +137,17 @@ class EngineSemantics:
     ``ops``: the optional operations the adapter supports: ``"evict"`` (free at least ``n``
     pages of unused cached blocks), ``"invalidate"`` (drop one block), ``"reset"`` (drop
     everything while nothing runs).
+
+    ``policy``: ``None`` -- the engine's own LRU over pages, as ``touch`` and ``pins``
+    declare; or the name of a prefixflight eviction policy (``"lru"``, ``"s3fifo"``, ...) that
+    decides which cached block is evicted, keyed by block, as ``prefixflight.vllm`` runs it in
+    vLLM's pool: hits and newly cached blocks are its accesses (deepest first), and so are
+    releases with ``pins="release-is-use"`` (not with ``"ours"``); a block is pinned while a
+    page holding it is in use; a free page is reused in this order: pages holding nothing,
+    then redundant copies (a free page of a block whose first page is in use or is another;
+    the one redundant longest first), then the policy's victim, every page of it. Needs
+    ``unit="block"``, ``capacity="shared-pool"``, ``invalidated="reused-first"`` and
+    ``orphans="removed"``.
     """
 
     hit_cap: Literal["full", "n-1"] = attrs.field(default="full", validator=_one_of("full", "n-1"))
@@ -165,8 +181,26 @@ class EngineSemantics:
     ops: frozenset[str] = attrs.field(
         default=frozenset(), converter=_frozen, validator=_ops("evict", "invalidate", "reset")
     )
+    policy: str | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_one_of(*POLICY_MACHINES))
+    )
 
     def __attrs_post_init__(self) -> None:
+        if self.policy is not None:
+            wanted = {
+                "unit": "block",
+                "capacity": "shared-pool",
+                "invalidated": "reused-first",
+                "orphans": "removed",
+            }
+            wrong = {k: getattr(self, k) for k, v in wanted.items() if getattr(self, k) != v}
+            if wrong or self.pins == "unlock-no-touch":
+                got = ", ".join(f"{k}={v!r}" for k, v in wrong.items()) or "pins='unlock-no-touch'"
+                raise UsageError(
+                    f"policy={self.policy!r} is modelled for unit='block', "
+                    "capacity='shared-pool', invalidated='reused-first', orphans='removed' and "
+                    f"pins 'ours' or 'release-is-use'; got {got}"
+                )
         if self.unit == "node":
             if self.pins != "unlock-no-touch" or self.duplicates != "freed":
                 raise UsageError(
@@ -187,9 +221,6 @@ class EngineSemantics:
         """Whether the engine promises that every cached block's parent is cached."""
         return self.unit == "node" or self.orphans == "removed"
 
-
-POLICY_MACHINES = ("s3fifo", "lru", "fifo", "lfu", "sieve")
-"""The eviction policies a `PolicySemantics` can name (each has its machine)."""
 
 _S3FIFO_ONLY = (
     "sizing",
@@ -414,8 +445,8 @@ def declared_differences(
             continue
         if isinstance(semantics, SchedulerSemantics) and field.name == "policies":
             continue
-        if field.name == "policy":  # which machine, not how it differs
-            continue
+        if field.name == "policy" and isinstance(semantics, PolicySemantics):
+            continue  # which machine, not how it differs
         if isinstance(value, frozenset):
             missing = sorted(set(base) - set(value))
             if not missing:
@@ -426,6 +457,11 @@ def declared_differences(
             meaning = f"a small-queue block is promoted at frequency >= {value}"
         elif field.name == "max_freq":
             meaning = f"the frequency cap is fixed at {value} (max_freq is not configurable)"
+        elif field.name == "policy":
+            meaning = (
+                f"prefixflight's {value} policy, keyed by block, decides evictions; a "
+                "redundant copy is reused before any eviction"
+            )
         elif field.name == "min_small_blocks":
             meaning = f"a small queue of fewer than {value} blocks caches nothing new"
         else:

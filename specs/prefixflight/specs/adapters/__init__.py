@@ -13,6 +13,8 @@ without Hypothesis). ``prefixflight conform ENGINE`` runs them; so can you::
 - `PagePoolAdapter`: prefixflight's own engine path (the `Scheduler`'s page pool);
 - `PrefixflightSchedulerAdapter`: prefixflight's `Scheduler` under `SchedulerConformance`;
 - `VLLMAdapter`: vLLM's v1 ``KVCacheManager`` (and its ``BlockPool``);
+- `VLLMPluginLRU`, `VLLMPluginS3FIFO`: the same with ``prefixflight.vllm``'s free queue in its
+  pool, against the reference engine running prefixflight's policy;
 - `VLLMSchedulerAdapter`: vLLM's v1 ``Scheduler``, driven without a model;
 - `SGLangAdapter`: SGLang's ``RadixCache`` with page size 16 and a simulated allocator;
 - `LibCacheSimS3FIFO`, `LibCacheSimLRU`: libCacheSim's policies (run them `isolated`);
@@ -30,7 +32,7 @@ from ._kv_index import ReplicaIndexAdapter
 from ._libcachesim import LibCacheSimLRU, LibCacheSimS3FIFO, libcachesim_s3fifo_configs
 from ._prefixflight import PagePoolAdapter, PrefixflightSchedulerAdapter
 from ._sglang import SGLangAdapter, stub_torchvision
-from ._vllm import VLLMAdapter
+from ._vllm import VLLMAdapter, VLLMPluginLRU, VLLMPluginS3FIFO
 from ._vllm_scheduler import VLLMSchedulerAdapter
 
 __all__ = [
@@ -41,6 +43,8 @@ __all__ = [
     "ReplicaIndexAdapter",
     "SGLangAdapter",
     "VLLMAdapter",
+    "VLLMPluginLRU",
+    "VLLMPluginS3FIFO",
     "VLLMSchedulerAdapter",
     "libcachesim_s3fifo_configs",
     "stub_torchvision",
