@@ -1,6 +1,8 @@
-"""vLLM, SGLang and libCacheSim under the kit, in their own environment: each passes with its
-declared differences; broken subclasses of their real classes are caught through --impl;
-libCacheSim's crashes come back as findings, shrunk; vLLM's scheduler finding replays.
+"""vLLM, SGLang, libCacheSim and Dynamo's KV router index under the kit, in their own
+environment: each passes with its declared differences; broken subclasses of their real
+classes are caught through --impl (broken Dynamo-backed indexes through --adapter: its tree
+cannot be subclassed); libCacheSim's crashes come back as findings, shrunk; vLLM's scheduler
+finding replays; Dynamo's differences replay standalone.
 
 One process per engine runs ``prefixflight conform`` as shipped and then once per broken
 class (``run_impls.py``), so each engine is imported once."""
@@ -14,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from .conftest import HERE, peers_env
+from .conftest import HERE, ROOT, peers_env
 
 pytestmark = pytest.mark.peers
 
@@ -55,6 +57,15 @@ _ENGINES: dict[str, tuple[dict[str, list[str]], dict[str, str]]] = {
         },
         {"NoRemoveS3FIFO": "after remove(", "StaleLRU": "the implementation"},
     ),
+    "dynamo": (
+        {"index": ["order", "removals", "copies"]},
+        {
+            "adapter:RemovalDroppingIndex": "the index predicts 1 cached blocks of a, the "
+            "engine has 0",
+            "adapter:ParentIgnoringIndex": "the index predicts 1 cached blocks of a.a, the "
+            "engine has 2",
+        },
+    ),
 }  # fmt: skip
 
 
@@ -87,7 +98,9 @@ def test_engine_passes_as_shipped_and_its_broken_subclasses_are_caught(
         assert fork["status"] == 1, f"{fork['impl']} was not caught:\n{fork['stdout']}"
         out = fork["stdout"]
         assert "UNDECLARED DIFFERENCE" in out and says in out, f"{fork['impl']}:\n{out}"
-        assert "minimal example:" in out and f"--impl broken:{fork['impl']}" in out
+        name = fork["impl"].removeprefix("adapter:")
+        how = "--impl" if name == fork["impl"] else "--adapter"
+        assert "minimal example:" in out and f"{how} broken:{name}" in out
 
 
 # prefixflight.vllm's queue with one seeded mistake -> what its failure says
@@ -133,3 +146,18 @@ def test_vllm_priority_preemption_leaves_uncomputed_blocks_cached(peers_python: 
     assert found["fcfs"] is None
     assert found["repro"]["returncode"] == 1, found["repro"]["stdout"]
     assert "REPRODUCED" in found["repro"]["stdout"]
+
+
+@pytest.mark.parametrize(
+    "repro", ["dynamo_child_before_parent", "dynamo_removal_after_parent", "dynamo_copies"]
+)
+def test_dynamos_differences_replay_on_dynamo_alone(peers_python: Path, repro: str) -> None:
+    """What the index machine finds in Dynamo's tree under the default declarations (a child
+    stored before its parent is refused; a child's removal after its parent's fails; one
+    removal of two copies drops the block), replayed by the standalone scripts."""
+    script = ROOT / "benchmarks" / "peers" / "repro" / f"{repro}.py"
+    run = subprocess.run(
+        [str(peers_python), str(script)], capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "REPRODUCED" in run.stdout

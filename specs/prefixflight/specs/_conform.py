@@ -288,7 +288,7 @@ def _qualified(cls: type[Any]) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
-_PEERS = ("vllm", "sglang", "libcachesim")  # what benchmarks/peers/setup.sh installs
+_PEERS = ("vllm", "sglang", "libcachesim", "dynamo")  # what benchmarks/peers/setup.sh installs
 
 
 def _not_installed(engine: str, exc: ImportError) -> str:

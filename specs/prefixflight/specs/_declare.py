@@ -320,9 +320,14 @@ class IndexSemantics:
     """A KV-event consumer (a router's index of what an engine caches), as its adapter
     declares it (defaults: the most an engine may send).
 
-    ``order``: ``"any"`` -- the events of one engine step may arrive in any order (vLLM frees
-    a chain tail first); ``"parents-first"`` -- a block's ``stored`` event comes after its
-    parent's (the machine sends them in chain order).
+    ``order``: the order of one engine step's ``stored`` events: ``"any"`` (the machine
+    draws it) or ``"parents-first"`` -- a block's ``stored`` event comes after its parent's.
+
+    ``removals``: the order of one engine step's ``removed`` events: ``"any"`` (vLLM frees a
+    chain tail first, but a step may evict blocks of several chains) or
+    ``"children-first"`` -- a block's ``removed`` event comes before its parent's (an index
+    whose removed parent takes its descendants with it). Either way the machine draws how a
+    step's ``stored`` and ``removed`` events interleave.
 
     ``copies``: ``"counted"`` -- the engine may cache a block twice (vLLM's duplicates: a
     ``stored`` event per copy, a ``removed`` per copy), so a block is cached until its last
@@ -332,6 +337,9 @@ class IndexSemantics:
 
     order: Literal["any", "parents-first"] = attrs.field(
         default="any", validator=_one_of("any", "parents-first")
+    )
+    removals: Literal["any", "children-first"] = attrs.field(
+        default="any", validator=_one_of("any", "children-first")
     )
     copies: Literal["counted", "single"] = attrs.field(
         default="counted", validator=_one_of("counted", "single")
@@ -413,6 +421,7 @@ _MEANING: Mapping[tuple[str, str], str] = {
     ("on_promote", "decrement"): "a block promoted from small to main loses one frequency",
     ("small_queue", "when-full"): "evicts only when the whole cache is full (S3FIFO.c's flow)",
     ("order", "parents-first"): "a block's stored event must come after its parent's",
+    ("removals", "children-first"): "a block's removed event must come before its parent's",
     ("copies", "single"): "copies are not counted: the first removed event of a block cached "
     "twice removes it",
     ("same_step_reads", "any"): "every row's KV is written before any row attends: a row may "

@@ -129,6 +129,9 @@ ENGINES: dict[str, tuple[Check, ...]] = {
               configs=f"{_A}:libcachesim_s3fifo_configs"),
         Check("lru", "libcachesim:LRU", f"{_A}:LibCacheSimLRU", isolated=True),
     ),
+    "dynamo": (
+        Check("index", "dynamo.llm:RadixTree", f"{_A}:DynamoIndexAdapter", "tree_cls"),
+    ),
 }  # fmt: skip
 """The engines prefixflight ships adapters for (without ``--impl`` the first check of each
 name runs, and the ``always`` ones; with it, the checks whose ``base`` the class
