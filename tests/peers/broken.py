@@ -107,31 +107,13 @@ class ReleaseCountingS3FIFOPlugin(VLLMPluginS3FIFO):
         self.queue._refresh_on_free = True
 
 
-class UnpinnedPlugin(VLLMPluginLRU):
-    """A queue that never tells the policy a block is in use."""
+class EmptyLastPlugin(VLLMPluginLRU):
+    """A queue that puts freed blocks without a hash behind the cached ones, so it evicts a
+    cached block while an empty one is free."""
 
     def __init__(self, pages: int, **kwargs: Any) -> None:
         super().__init__(pages, **kwargs)
-        self.queue._policy = _NoPins(self.queue.policy)
-
-
-class _NoPins:
-    """A policy whose pins do nothing."""
-
-    def __init__(self, policy: Any) -> None:
-        self._policy = policy
-
-    def pin(self, key: Any) -> None:
-        pass
-
-    def unpin(self, key: Any) -> None:
-        pass
-
-    def __contains__(self, key: Any) -> bool:
-        return key in self._policy
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._policy, name)
+        self.queue.prepend_n = self.queue.append_n
 
 
 class OrphanKeepingPlugin(VLLMPluginS3FIFO):
