@@ -87,9 +87,7 @@ def test_the_readme_serving_example_prints_what_it_shows() -> None:
     page = ROOT / "README.md"
     (example,) = [(code, out) for code, out in blocks(page) if SERVER in code]
     assert example[1] is not None, "the README's serving example lost its output"
-    spec = importlib.util.spec_from_file_location(
-        "serve_launch", ROOT / "benchmarks" / "serve_launch.py"
-    )
+    spec = importlib.util.spec_from_file_location("harness", ROOT / "benchmarks" / "harness.py")
     assert spec is not None and spec.loader is not None
     launch = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(launch)
@@ -160,6 +158,26 @@ MACHINE = re.compile(
 """How a run went (the machine's load, the targets it was measured against): lab-page talk."""
 
 
+def test_the_benchmarks_index_names_every_script_in_its_folder() -> None:
+    """benchmarks/README.md: one row per script, under the folder it lives in."""
+    bench = ROOT / "benchmarks"
+    index = (bench / "README.md").read_text(encoding="utf-8")
+    folders = re.split(r"^\| \*\*(\w+)/\*\* \|", index, flags=re.MULTILINE)[1:]
+    listed = {
+        f"{folder}/{name}"
+        for folder, rows in zip(folders[::2], folders[1::2], strict=True)
+        for row in rows.splitlines()
+        if row.startswith("| `")  # the first cell names the row's scripts
+        for name in re.findall(r"`([\w.]+\.(?:py|sh))`", row.split(" | ", 1)[0])
+    }
+    scripts = {
+        p.relative_to(bench).as_posix()
+        for p in [*bench.glob("*/*.py"), *bench.glob("*/*.sh")]
+    }
+    assert scripts - listed == set(), "not in benchmarks/README.md"
+    assert listed - scripts == set(), "listed in benchmarks/README.md but not there"
+
+
 def test_the_guides_state_numbers_and_leave_machine_conditions_to_the_lab_pages() -> None:
     found = []
     for page in [ROOT / "README.md", *GUIDES]:
@@ -179,7 +197,8 @@ def test_relative_links_of_the_docs_reach_a_file() -> None:
     """mkdocs checks the links between its pages; this checks every page's links, those out
     of docs/ (to benchmarks/, the README) included."""
     broken = []
-    for page in [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *DOCS.glob("*.md"), *LABS]:
+    pages = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "benchmarks" / "README.md"]
+    for page in [*pages, *DOCS.glob("*.md"), *LABS]:
         text = FENCE.sub("", page.read_text(encoding="utf-8"))
         for target in re.findall(r"\]\(([^)\s]+)\)", text):
             path = target.split("#", 1)[0]
