@@ -87,6 +87,7 @@ class VLLMAdapter:
         ops=frozenset({"invalidate", "reset"}),
     )
     block_size = 16
+    max_model_len = 256
 
     def __init__(self, pages: int, *, impl: type[Any] | None = None) -> None:
         v = _vllm()
@@ -109,7 +110,7 @@ class VLLMAdapter:
         with _block_pool_class(pool_cls):
             self.manager = manager_cls(
                 config,
-                max_model_len=256,
+                max_model_len=self.max_model_len,
                 scheduler_block_size=self.block_size,
                 hash_block_size=self.block_size,
                 enable_caching=True,
