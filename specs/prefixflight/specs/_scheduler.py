@@ -39,7 +39,6 @@ from prefixflight.core import (
     BlockHash,
     BlockHasher,
     FinishReason,
-    FlightConfig,
     FlightCoordinator,
     PrefixCache,
     PublishMode,
@@ -144,12 +143,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         )
         capacity = max(num_pages - capacity_cut, 0)
         pol = LRU(capacity) if policy == "lru" else S3FIFO(capacity)
-        self.cache = PrefixCache(pol, _BLOCK)
-        self.coordinator = FlightCoordinator(
-            FlightConfig(
-                policy=flight, max_wait=max_wait, min_shared_blocks=min_shared, block_size=_BLOCK
-            )
+        # the parts Scheduler.build makes, handed to the factory before any call
+        parts = Scheduler.build(
+            config,
+            eviction=pol,
+            release=flight,
+            max_wait=max_wait,
+            min_shared_blocks=min_shared,
         )
+        self.cache, self.coordinator = parts.cache, parts.coordinator
         note(f"{config!r}, {pol!r}, {self.coordinator.config!r}")
         self.sched = type(self).factory(config, self.cache, self.coordinator)
         self.backend = FakeBackend(num_pages, _BLOCK, _sampler)

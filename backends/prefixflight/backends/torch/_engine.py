@@ -32,9 +32,6 @@ from prefixflight.core import (
     LRU,
     S3FIFO,
     ConfigError,
-    FlightConfig,
-    FlightCoordinator,
-    PrefixCache,
     PrefixflightError,
     PublishMode,
     ReleasePolicy,
@@ -136,7 +133,7 @@ class EngineConfig:
         publish = (
             PublishMode.PER_STEP if self.incremental_publication else PublishMode.ON_COMPLETION
         )
-        return Scheduler(
+        return Scheduler.build(
             SchedulerConfig(
                 num_pages=pages,
                 block_size=self.page_size,
@@ -145,15 +142,11 @@ class EngineConfig:
                 publish=publish,
                 vocab_size=vocab_size,
             ),
-            cache=PrefixCache(policy, self.page_size, event_sink=event_sink),
-            coordinator=FlightCoordinator(
-                FlightConfig(
-                    policy=self.release_policy,
-                    max_wait=self.max_wait,
-                    block_size=self.page_size,
-                    min_shared_blocks=self.min_shared_blocks,
-                )
-            ),
+            eviction=policy,
+            release=self.release_policy,
+            max_wait=self.max_wait,
+            min_shared_blocks=self.min_shared_blocks,
+            event_sink=event_sink,
         )
 
 

@@ -53,9 +53,9 @@ from .._validate import (
     int_field,
     optional_int_field,
 )
-from ..cache._cache import PrefixCache
+from ..cache._cache import EventSink, PrefixCache
 from ..cache._hashing import BlockHash, BlockHasher
-from ..cache._policies import LRU
+from ..cache._policies import LRU, EvictionPolicy
 from ._coordinator import (
     Aborted,
     Arrived,
@@ -448,11 +448,14 @@ class _Draft:
 class Scheduler:
     """Continuous batching with chunked prefill, prefix reuse and single-flight coordination.
 
-    ``cache`` must be empty and use ``config.block_size``; it defaults to an LRU cache with
-    room for every page. ``coordinator`` defaults to one with `ReleasePolicy.INDEPENDENT`
-    (no coordination). The scheduler is sans-I/O: time is the host's ``now`` value passed to
-    every call, and it must never go backwards. A rejected call (see `TRANSITIONS` and
-    `STEP_TRANSITIONS`) raises `UsageError` and leaves the state unchanged.
+    `Scheduler.build` makes one with its own cache and coordinator, both on
+    ``config.block_size``. The constructor takes parts made elsewhere: ``cache`` must be empty
+    and use ``config.block_size``; it defaults to an LRU cache with room for every page.
+    ``coordinator`` must know no request and use ``config.block_size``; it defaults to one
+    with `ReleasePolicy.INDEPENDENT` (no coordination). The scheduler is sans-I/O: time is the
+    host's ``now`` value passed to every call, and it must never go backwards. A rejected
+    call (see `TRANSITIONS` and `STEP_TRANSITIONS`) raises `UsageError` and leaves the state
+    unchanged.
     """
 
     TRANSITIONS: ClassVar[
@@ -481,6 +484,38 @@ class Scheduler:
         "_running",
         "_stats",
     )
+
+    @classmethod
+    def build(
+        cls,
+        config: SchedulerConfig,
+        *,
+        eviction: EvictionPolicy | None = None,
+        release: ReleasePolicy = ReleasePolicy.INDEPENDENT,
+        max_wait: float | None = None,
+        min_shared_blocks: int | None = None,
+        event_sink: EventSink | None = None,
+    ) -> Scheduler:
+        """A scheduler with a fresh cache and coordinator, both on ``config.block_size``.
+
+        ``eviction``: the cache's policy (default: LRU with room for every page);
+        ``event_sink`` receives the cache's KV events. ``release``, ``max_wait`` and
+        ``min_shared_blocks`` are the coordinator's `FlightConfig`.
+        """
+        check_instance("config", config, SchedulerConfig)
+        policy = LRU(config.num_pages) if eviction is None else eviction
+        return cls(
+            config,
+            cache=PrefixCache(policy, config.block_size, event_sink=event_sink),
+            coordinator=FlightCoordinator(
+                FlightConfig(
+                    policy=release,
+                    max_wait=max_wait,
+                    min_shared_blocks=min_shared_blocks,
+                    block_size=config.block_size,
+                )
+            ),
+        )
 
     def __init__(
         self,
