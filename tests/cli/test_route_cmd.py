@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from prefixflight.cli import main
+from prefixflight.cli._main import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -54,6 +55,21 @@ def test_flag_mistakes_are_usage_errors(
     (line,) = [ln for ln in err.splitlines() if "error:" in ln]
     assert line.startswith("prefixflight route: error:") and message in line, line
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("flag", ["--block-size", "--block-size-tokens"])
+def test_the_route_key_block_size_flag_and_its_old_spelling(flag: str) -> None:
+    parser = build_parser("route")
+    args = parser.parse_args(["route", "--backend", "http://h:1", flag, "32"])
+    assert args.block_size == 32
+    assert parser.parse_args(["route", "--backend", "http://h:1"]).block_size == 64
+
+
+def test_the_old_block_size_flag_spelling_is_hidden(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["route", "--help"])
+    out = capsys.readouterr().out
+    assert "--block-size N" in out and "--block-size-tokens" not in out
 
 
 def test_a_tokenizer_that_cannot_be_read_is_a_one_line_error(

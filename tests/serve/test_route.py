@@ -45,7 +45,7 @@ class Backend:
         self.publisher = KVEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*")
         engine = AsyncEngine.from_model(
             model,
-            EngineConfig(page_size=PAGE, max_batch_tokens=256, num_pages=1024, max_running=16),
+            EngineConfig(block_size=PAGE, max_batch_tokens=256, num_pages=1024, max_running=16),
             eos_token_ids=[CharCodec.EOS],
             event_sink=self.publisher,
             device="cpu",

@@ -154,7 +154,7 @@ def document_tokens(tokenizer: Any, n: int, salt: int = 0) -> list[int]:
 def _engine(runner: TransformersRunner, config: TTFTBenchConfig, **kw: Any) -> AsyncEngine:
     cfg = EngineConfig(
         num_pages=runner.pool.num_pages,
-        page_size=config.page_size,
+        block_size=config.page_size,
         max_batch_tokens=config.max_batch_tokens,
         max_running=config.max_running,
         **kw,

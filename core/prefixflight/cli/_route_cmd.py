@@ -110,11 +110,19 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="most members of one group per backend; -1 puts a group on one backend",
     )
     g.add_argument(
-        "--block-size-tokens",
+        "--block-size",
         type=at_least(1),
         default=64,
         metavar="N",
         help="tokens (or bytes, without --tokenizer) per route-key block",
+    )
+    # the flag's name before it matched `prefixflight simulate router --block-size`
+    g.add_argument(
+        "--block-size-tokens",
+        dest="block_size",
+        type=at_least(1),
+        default=argparse.SUPPRESS,
+        help=argparse.SUPPRESS,
     )
     g.add_argument(
         "--min-colocate-blocks",
@@ -251,7 +259,7 @@ def run(args: argparse.Namespace) -> int:
                 lone_wait_ms=args.lone_wait_ms,
                 quiet_ms=args.quiet_ms or None,
                 max_per_replica=args.max_per_replica,
-                block_size_tokens=args.block_size_tokens,
+                block_size_tokens=args.block_size,
                 min_colocate_blocks=args.min_colocate_blocks,
                 max_batch_size=args.max_batch_size,
             ),

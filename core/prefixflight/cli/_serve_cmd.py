@@ -440,7 +440,7 @@ def run(args: argparse.Namespace) -> int:
             config = backend.EngineConfig(
                 release_policy=ReleasePolicy(args.release_policy),
                 num_pages=args.num_pages,
-                page_size=args.block_size,
+                block_size=args.block_size,
                 max_batch_tokens=args.max_batch_tokens,
                 max_running=args.max_running,
                 eviction=args.eviction,

@@ -23,8 +23,9 @@ import enum
 import itertools
 import logging
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, final
+from typing import TYPE_CHECKING, Any, final
 
 import attrs
 
@@ -77,6 +78,9 @@ def _check_max_wait(_i: object, _a: object, value: Any) -> None:
         raise ConfigError(f"max_wait must be None or a number of seconds >= 0, got {value!r}")
 
 
+_PAGE_SIZE_DEPRECATED = "EngineConfig's page_size is now block_size; page_size will be removed"
+
+
 @attrs.frozen(kw_only=True)
 class EngineConfig:
     """How an `AsyncEngine` schedules.
@@ -86,7 +90,8 @@ class EngineConfig:
     - ``incremental_publication``: publish each request's completed pages after every step
       (True) or only when it finishes (False: the baseline of the single-flight prefill study
       of mini-vllm-rs).
-    - ``num_pages`` / ``page_size``: the KV pool (`AsyncEngine.from_model` allocates it).
+    - ``num_pages`` / ``block_size``: the KV pool (`AsyncEngine.from_model` allocates it), in
+      pages of ``block_size`` tokens. ``page_size`` is the deprecated name of ``block_size``.
     - ``max_batch_tokens``: tokens per step (prefill chunks + one per decode);
       ``max_running``: running requests at most (the decode batch).
     - ``eviction``: the prefix cache's policy, ``"lru"`` or ``"s3fifo"``.
@@ -101,12 +106,30 @@ class EngineConfig:
     )
     incremental_publication: bool = True
     num_pages: int = attrs.field(default=1024, validator=int_field(1))
-    page_size: int = attrs.field(default=16, validator=int_field(1))
+    block_size: int = attrs.field(default=16, validator=int_field(1))
     max_batch_tokens: int = attrs.field(default=1024, validator=int_field(1))
     max_running: int = attrs.field(default=16, validator=int_field(1))
     eviction: str = attrs.field(default="lru", validator=_check_eviction)
     max_wait: float | None = attrs.field(default=None, validator=_check_max_wait)
     min_shared_blocks: int | None = attrs.field(default=None, validator=optional_int_field(1))
+
+    if not TYPE_CHECKING:  # type checkers see the attrs __init__, without the old name
+
+        def __init__(self, *, page_size=None, **kwargs):
+            if page_size is not None:
+                warnings.warn(_PAGE_SIZE_DEPRECATED, DeprecationWarning, stacklevel=2)
+                if "block_size" in kwargs:
+                    raise ConfigError(
+                        f"give block_size only, not also page_size (got {page_size!r})"
+                    )
+                kwargs["block_size"] = page_size
+            self.__attrs_init__(**kwargs)
+
+    @property
+    def page_size(self) -> int:
+        """Deprecated: `block_size`."""
+        warnings.warn(_PAGE_SIZE_DEPRECATED, DeprecationWarning, stacklevel=2)
+        return self.block_size
 
     def __attrs_post_init__(self) -> None:
         if self.max_batch_tokens < self.max_running:
@@ -136,7 +159,7 @@ class EngineConfig:
         return Scheduler.build(
             SchedulerConfig(
                 num_pages=pages,
-                block_size=self.page_size,
+                block_size=self.block_size,
                 max_batch_tokens=self.max_batch_tokens,
                 max_running=self.max_running,
                 publish=publish,
@@ -327,9 +350,9 @@ class AsyncEngine:
     ) -> None:
         config = EngineConfig() if config is None else config
         pool = runner.pool
-        if config.page_size != pool.page_size:
+        if config.block_size != pool.page_size:
             raise ConfigError(
-                f"config page_size {config.page_size} != the runner's pool page_size "
+                f"config block_size {config.block_size} != the runner's pool page_size "
                 f"{pool.page_size}"
             )
         if config.num_pages > pool.num_pages:
@@ -377,7 +400,7 @@ class AsyncEngine:
         runner = TransformersRunner.for_model(
             model,
             num_pages=config.num_pages,
-            page_size=config.page_size,
+            page_size=config.block_size,
             device=device,
             dtype=dtype,
         )
@@ -567,7 +590,7 @@ class AsyncEngine:
                 f"{sampling.max_tokens} max_tokens)"
             )
         cfg = self.config
-        need = pages_for(len(ids), sampling.max_tokens, cfg.page_size)
+        need = pages_for(len(ids), sampling.max_tokens, cfg.block_size)
         if need > cfg.num_pages:
             raise UsageError(
                 f"the request needs {need} pages ({len(ids)} prompt + {sampling.max_tokens} "
