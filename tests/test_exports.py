@@ -75,6 +75,14 @@ ROUTING_SURFACE = frozenset({
     "PrefixIndex", "ReplicaLoad", "Rng", "RouteRequest", "Routed", "Router", "assign_batch",
 })  # fmt: skip
 
+VALIDATE_SURFACE = frozenset({
+    "INT64_MAX", "INT64_MIN", "CheckedFloat", "CheckedInt", "assert_never", "check_block_hashes",
+    "check_choice", "check_instance", "check_int", "check_name", "check_number", "check_ratio",
+    "check_request_id", "check_time", "check_token_ids", "choice_field", "instance_field",
+    "int_field", "is_int", "is_real", "number_field", "optional_int_field", "ratio_field",
+    "request_id_field", "time_field",
+})  # fmt: skip
+
 SIM_SURFACE = frozenset({
     "Arrival", "ClusterConfig", "CostModel", "FindingsRow", "FlightRow", "FlightSimConfig",
     "RouterReport", "SimRequest", "SimulationResult", "Workload", "grpo_workload",
@@ -90,6 +98,7 @@ SIM_SURFACE = frozenset({
         ("prefixflight.core.cache", CACHE_SURFACE),
         ("prefixflight.core.flight", FLIGHT_SURFACE),
         ("prefixflight.core.routing", ROUTING_SURFACE),
+        ("prefixflight.core.validate", VALIDATE_SURFACE),
         ("prefixflight.sim", SIM_SURFACE),
     ],
 )

@@ -12,7 +12,7 @@ from typing import Final, Literal, final
 import attrs
 
 from prefixflight.core import LRU, S3FIFO, ConfigError, EvictionPolicy, ReleasePolicy
-from prefixflight.core._validate import check_int, check_number, check_ratio
+from prefixflight.core.validate import check_int, check_number, check_ratio
 
 __all__ = ["EvictionSettings", "FlightSettings", "PluginConfig"]
 

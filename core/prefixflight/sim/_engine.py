@@ -44,8 +44,8 @@ from prefixflight.core import (
     StepResult,
     UsageError,
 )
-from prefixflight.core._validate import check_ratio, is_int, is_real, number_field
 from prefixflight.core.flight import FlightStats, Role, SchedulerStats
+from prefixflight.core.validate import check_ratio, is_int, is_real, number_field
 
 __all__ = ["Arrival", "CostModel", "SimulationResult", "simulate_engine"]
 

@@ -36,7 +36,6 @@ from prefixflight.core import (
     RequestId,
     UsageError,
 )
-from prefixflight.core._validate import assert_never
 from prefixflight.core.flight import (
     Aborted,
     Arrived,
@@ -55,6 +54,7 @@ from prefixflight.core.flight import (
     Tick,
     Wait,
 )
+from prefixflight.core.validate import assert_never
 
 __all__ = ["CoordinatorUnderTest", "FlightCoordinatorMachine", "FlightModel"]
 

@@ -45,9 +45,9 @@ from prefixflight.core import (
     StepResult,
     UsageError,
 )
-from prefixflight.core._validate import check_int, instance_field, int_field, optional_int_field
 from prefixflight.core.cache import EventSink
 from prefixflight.core.flight._pages import pages_for
+from prefixflight.core.validate import check_int, instance_field, int_field, optional_int_field
 
 from ._runner import TransformersRunner
 from ._sampling import SamplingParams

@@ -14,7 +14,7 @@ from collections.abc import Container, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol, final
 
 from .._errors import CapacityError, UsageError
-from .._validate import CheckedFloat, CheckedInt, check_int, check_ratio
+from ..validate import CheckedFloat, CheckedInt, check_int, check_ratio
 
 if TYPE_CHECKING:
     from ._hashing import BlockHash

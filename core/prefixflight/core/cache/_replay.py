@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeAlias, final
 import attrs
 
 from .._errors import ConfigError
-from .._validate import check_int, check_ratio
+from ..validate import check_int, check_ratio
 from ._cache import EventSink, PrefixCache
 from ._policies import LRU, S3FIFO, EvictionPolicy
 from ._trace import TraceReader, TraceRecord

@@ -29,7 +29,8 @@ from typing import ClassVar, Final, TypeAlias, final
 import attrs
 
 from .._errors import ConfigError, UsageError
-from .._validate import (
+from ..cache._hashing import BlockHash
+from ..validate import (
     assert_never,
     check_block_hashes,
     check_instance,
@@ -40,7 +41,6 @@ from .._validate import (
     request_id_field,
     time_field,
 )
-from ..cache._hashing import BlockHash
 from ._plan import RequestId
 
 __all__ = [

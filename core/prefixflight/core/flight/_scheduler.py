@@ -42,7 +42,10 @@ from typing import ClassVar, Final, final
 import attrs
 
 from .._errors import ConfigError, UsageError
-from .._validate import (
+from ..cache._cache import EventSink, PrefixCache
+from ..cache._hashing import BlockHash, BlockHasher
+from ..cache._policies import LRU, EvictionPolicy
+from ..validate import (
     assert_never,
     check_instance,
     check_int,
@@ -53,9 +56,6 @@ from .._validate import (
     int_field,
     optional_int_field,
 )
-from ..cache._cache import EventSink, PrefixCache
-from ..cache._hashing import BlockHash, BlockHasher
-from ..cache._policies import LRU, EvictionPolicy
 from ._coordinator import (
     Aborted,
     Arrived,
