@@ -18,6 +18,7 @@ from typing import Any
 from prefixflight.core._extras import missing_extra
 
 from ._args import at_least, output_file
+from ._bench_plan import EXPERIMENTS
 from ._io import write_atomic, write_stdout
 from ._progress import progress
 
@@ -31,8 +32,6 @@ __all__ = [
     "run_calibrate",
     "run_ttft",
 ]
-
-EXPERIMENTS = ("warm_prefix", "incremental_publication", "single_flight", "late_arrival")
 
 
 def _sizes(value: str) -> tuple[int, ...]:
