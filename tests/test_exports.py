@@ -55,9 +55,9 @@ CORE_SURFACE = frozenset({
 CACHE_SURFACE = frozenset({
     "LRU", "S3FIFO", "AllBlocksCleared", "BlockHash", "BlockHasher", "BlockRemoved",
     "BlockStored", "CacheStats", "CurvePoint", "EventSink", "EvictionPolicy", "HashAlgorithm",
-    "KVEvent", "LRUCurve", "PolicyName", "PrefixCache", "ReplayConfig", "ReplayReport",
-    "RequestResult", "TraceReader", "TraceRecord", "auto_capacities", "compiled", "lru_curve",
-    "parse_trace_line", "replay",
+    "KVEvent", "LRUCurve", "POLICIES", "PolicyName", "PrefixCache", "ReplayConfig",
+    "ReplayReport", "RequestResult", "TraceReader", "TraceRecord", "auto_capacities", "compiled",
+    "lru_curve", "make_policy", "parse_trace_line", "replay",
 })  # fmt: skip
 
 FLIGHT_SURFACE = frozenset({

@@ -17,15 +17,19 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, NoReturn, TypeAlias
 
-from prefixflight.core import PrefixflightError
+from prefixflight.core import ConfigError, PrefixflightError
+from prefixflight.core.cache import POLICIES
+from prefixflight.core.cache._registry import policy_name
 
 __all__ = [
+    "POLICY_CHOICES",
     "Formatter",
-    "Parser",
     "Option",
+    "Parser",
     "VersionAction",
     "add_options",
     "at_least",
+    "eviction_policy",
     "finite_float",
     "non_negative_float",
     "output_file",
@@ -98,6 +102,20 @@ def add_options(group: argparse._ActionsContainer, rows: Iterable[Option]) -> No
     """Add every row of an option table to a parser or an argument group."""
     for flag, kind, default, metavar, text in rows:
         group.add_argument(flag, type=kind or str, default=default, metavar=metavar, help=text)
+
+
+POLICY_CHOICES = " or ".join(POLICIES)
+"""The registered eviction policies, for help texts: ``s3fifo or lru``."""
+
+
+def eviction_policy(value: str) -> str:
+    """An argparse type: a registered eviction policy name, any case."""
+    try:
+        return policy_name(value)
+    except ConfigError:
+        raise argparse.ArgumentTypeError(
+            f"invalid policy {value!r} (choose {POLICY_CHOICES})"
+        ) from None
 
 
 def at_least(minimum: int) -> Callable[[str], int]:

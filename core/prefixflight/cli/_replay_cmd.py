@@ -9,20 +9,13 @@ import attrs
 
 from prefixflight.core import ConfigError, ReplayConfig, replay
 
-from ._args import at_least, output_file, ratio, usage_errors
+from ._args import POLICY_CHOICES, at_least, eviction_policy, output_file, ratio, usage_errors
 from ._io import read_trace, write_atomic, write_stdout
 from ._progress import progress
 
 __all__ = ["load_config", "register", "run"]
 
 _MISSING_CAPACITY = "--capacity-blocks is required (or cache_capacity_blocks in --config)"
-
-
-def _policy(value: str) -> str:
-    name = value.lower()
-    if name not in ("s3fifo", "lru"):
-        raise argparse.ArgumentTypeError(f"invalid policy {value!r} (choose s3fifo or lru)")
-    return name
 
 
 def _default(name: str) -> str:
@@ -45,7 +38,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "trace", metavar="TRACE", help="a path, a .gz file, '-' (stdin) or bundled:NAME"
     )
     p.add_argument(
-        "--policy", type=_policy, default=None, help="s3fifo or lru" + _default("policy")
+        "--policy", type=eviction_policy, default=None, help=POLICY_CHOICES + _default("policy")
     )
     p.add_argument(
         "--capacity-blocks",

@@ -22,6 +22,7 @@ from typing import Any, NoReturn, TypeVar
 
 from prefixflight.core import ReleasePolicy, UsageError
 from prefixflight.core._extras import missing_extra
+from prefixflight.core.cache import POLICIES
 
 from ._args import Option, add_options, at_least, non_negative_float, port, positive_float
 from ._bench_cmd import add_dtype_argument, prepare_torch_process
@@ -114,7 +115,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="single flight: after_prefill (default), on_completion or independent (off)",
     )
     add_options(engine, _BATCHING)
-    engine.add_argument("--eviction", choices=("lru", "s3fifo"), default="lru", help="default lru")
+    engine.add_argument("--eviction", choices=sorted(POLICIES), default="lru", help="default lru")
     engine.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     add_dtype_argument(engine)
     add_options(engine, [_THREADS])

@@ -34,8 +34,6 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from prefixflight.core import (
-    LRU,
-    S3FIFO,
     BlockHash,
     BlockHasher,
     FinishReason,
@@ -50,6 +48,7 @@ from prefixflight.core import (
     StepResult,
     UsageError,
 )
+from prefixflight.core.cache import POLICIES, make_policy
 from prefixflight.core.flight import Placement, RequestState
 
 from ._backend import FakeBackend
@@ -113,7 +112,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_running=st.integers(1, 3),
         extra_tokens=st.integers(0, 4),
         publish=st.sampled_from(PublishMode),
-        policy=st.sampled_from(["lru", "s3fifo"]),
+        policy=st.sampled_from(sorted(POLICIES)),
         capacity_cut=st.integers(0, 3),
         sharing=st.booleans(),
         flight=st.sampled_from(ReleasePolicy),
@@ -142,7 +141,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             same_step_sharing=sharing,
         )
         capacity = max(num_pages - capacity_cut, 0)
-        pol = LRU(capacity) if policy == "lru" else S3FIFO(capacity)
+        pol = make_policy(policy, capacity)
         # the parts Scheduler.build makes, handed to the factory before any call
         parts = Scheduler.build(
             config,

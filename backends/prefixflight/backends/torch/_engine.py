@@ -30,8 +30,6 @@ from typing import TYPE_CHECKING, Any, final
 import attrs
 
 from prefixflight.core import (
-    LRU,
-    S3FIFO,
     ConfigError,
     PrefixflightError,
     PublishMode,
@@ -45,7 +43,7 @@ from prefixflight.core import (
     StepResult,
     UsageError,
 )
-from prefixflight.core.cache import EventSink
+from prefixflight.core.cache import POLICIES, EventSink, make_policy
 from prefixflight.core.flight._pages import pages_for
 from prefixflight.core.validate import check_int, instance_field, int_field, optional_int_field
 
@@ -67,8 +65,9 @@ class StepFailedError(PrefixflightError):
 
 
 def _check_eviction(_i: object, _a: object, value: object) -> None:
-    if value not in ("lru", "s3fifo"):
-        raise ConfigError(f"eviction must be 'lru' or 's3fifo', got {value!r}")
+    if not isinstance(value, str) or value not in POLICIES:
+        names = " or ".join(repr(n) for n in sorted(POLICIES))
+        raise ConfigError(f"eviction must be {names}, got {value!r}")
 
 
 def _check_max_wait(_i: object, _a: object, value: Any) -> None:
@@ -94,7 +93,8 @@ class EngineConfig:
       pages of ``block_size`` tokens. ``page_size`` is the deprecated name of ``block_size``.
     - ``max_batch_tokens``: tokens per step (prefill chunks + one per decode);
       ``max_running``: running requests at most (the decode batch).
-    - ``eviction``: the prefix cache's policy, ``"lru"`` or ``"s3fifo"``.
+    - ``eviction``: the prefix cache's policy, a name of `prefixflight.core.cache.POLICIES`
+      (``"lru"``, ``"s3fifo"``).
     - ``max_wait``: seconds a follower waits for its leader before computing on its own.
     - ``min_shared_blocks``: also coordinate requests that share at least this many leading
       blocks with an open flight (partial-prefix mode); ``None`` (default): identical
@@ -152,7 +152,7 @@ class EngineConfig:
         ``vocab_size``: the scheduler rejects token ids outside the model's vocabulary.
         """
         pages = self.num_pages if num_pages is None else num_pages
-        policy = LRU(pages) if self.eviction == "lru" else S3FIFO(pages)
+        policy = make_policy(self.eviction, pages)
         publish = (
             PublishMode.PER_STEP if self.incremental_publication else PublishMode.ON_COMPLETION
         )
