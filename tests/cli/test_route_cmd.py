@@ -3,7 +3,6 @@ serves (a subprocess on a free loopback port) and stops on Ctrl-C or SIGTERM wit
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
@@ -14,6 +13,8 @@ import pytest
 
 from prefixflight.cli import main
 from prefixflight.cli._main import build_parser
+
+from ..conftest import source_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -100,10 +101,7 @@ def _closed_port_url() -> str:
 def test_the_command_serves_and_stops_gracefully(stop: signal.Signals) -> None:
     pytest.importorskip("fastapi")
     httpx = pytest.importorskip("httpx")
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT / d) for d in ("core", "specs", "backends", "serve")]
-    )
+    env = source_env(PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
         [
             sys.executable,

@@ -28,4 +28,4 @@ def test_an_unknown_policy_is_a_config_error_naming_it(bad: object) -> None:
     with pytest.raises(ConfigError, match=r"policy must be 's3fifo' or 'lru' \(any case\), got"):
         make_policy(bad, 4)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=repr(bad).replace("[", r"\[").replace("]", r"\]")):
-        ReplayConfig(policy=bad, cache_capacity_blocks=4)  # type: ignore[arg-type]
+        ReplayConfig(policy=bad, cache_capacity_blocks=4)
