@@ -18,15 +18,24 @@ PACKAGES = [
     "prefixflight.serve",
 ]
 TORCH_PACKAGES = ["prefixflight.backends.torch"]  # need the torch extra
+SERVE_PACKAGES = ["prefixflight.serve.kv_events"]  # need the serve extra (zmq, msgspec)
 
 
 @pytest.mark.parametrize(
-    "name", [*PACKAGES, *(pytest.param(n, marks=pytest.mark.torch) for n in TORCH_PACKAGES)]
+    "name",
+    [
+        *PACKAGES,
+        *SERVE_PACKAGES,
+        *(pytest.param(n, marks=pytest.mark.torch) for n in TORCH_PACKAGES),
+    ],
 )
 def test_all_is_complete_and_sorted(name: str) -> None:
     if name in TORCH_PACKAGES:
         pytest.importorskip("torch")
         pytest.importorskip("transformers")
+    if name in SERVE_PACKAGES:
+        pytest.importorskip("zmq")
+        pytest.importorskip("msgspec")
     module = importlib.import_module(name)
     exported = list(module.__all__)
     assert exported == sorted(exported, key=lambda s: (not s.isupper(), s))
@@ -83,6 +92,15 @@ VALIDATE_SURFACE = frozenset({
     "request_id_field", "time_field",
 })  # fmt: skip
 
+# what users of the KV-event wire call: publisher, subscriber and its index, topics, and the
+# wire's event structs and codec; frame parsing and hash encodings stay in its modules
+KV_EVENTS_SURFACE = frozenset({
+    "ClusterBlockIndex", "ErrorKind", "IndexStats", "KVEventFormatError", "KVEventPublisher",
+    "KVEventSubscriber", "PublisherAddress", "ReplicaBlockIndex", "ReplicaFeed", "ReplicaStatus",
+    "WireAllBlocksCleared", "WireBatch", "WireBlockRemoved", "WireBlockStored", "decode_batch",
+    "encode_batch", "fold_hash", "kv_topic", "parse_topic", "wire_events",
+})  # fmt: skip
+
 SIM_SURFACE = frozenset({
     "Arrival", "ClusterConfig", "CostModel", "FindingsRow", "FlightRow", "FlightSimConfig",
     "RouterReport", "SimRequest", "SimulationResult", "Workload", "grpo_workload",
@@ -100,9 +118,13 @@ SIM_SURFACE = frozenset({
         ("prefixflight.core.routing", ROUTING_SURFACE),
         ("prefixflight.core.validate", VALIDATE_SURFACE),
         ("prefixflight.sim", SIM_SURFACE),
+        ("prefixflight.serve.kv_events", KV_EVENTS_SURFACE),
     ],
 )
 def test_public_surface_is_pinned(name: str, expected: frozenset[str]) -> None:
+    if name in SERVE_PACKAGES:
+        pytest.importorskip("zmq")
+        pytest.importorskip("msgspec")
     exported = set(importlib.import_module(name).__all__)
     assert sorted(exported - expected) == [], "new exports: add them here on purpose"
     assert sorted(expected - exported) == [], "removed exports: remove them here on purpose"

@@ -46,8 +46,8 @@ from prefixflight.serve.kv_events import (
     decode_batch,
     encode_batch,
     fold_hash,
-    parse_replay_frames,
 )
+from prefixflight.serve.kv_events._wire import parse_replay_frames
 
 from ..conftest import source_env
 
