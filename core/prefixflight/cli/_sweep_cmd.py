@@ -20,11 +20,20 @@ from prefixflight.core import PrefixflightError, ReplayConfig, UsageError, repla
 from prefixflight.core._extras import missing_extra
 from prefixflight.core.cache import POLICIES, CurvePoint, LRUCurve, auto_capacities
 
-from ._args import POLICY_CHOICES, at_least, eviction_policy, output_file, ratio, usage_errors
+from ._args import (
+    POLICY_CHOICES,
+    add_options,
+    at_least,
+    eviction_policy,
+    output_file,
+    usage_errors,
+)
 from ._io import atomic_path, read_trace, write_atomic, write_stdout
 from ._progress import progress
+from ._replay_cmd import replay_options
 
 __all__ = ["format_table", "parse_capacities", "plot", "register", "run", "sweep"]
+
 
 def parse_capacities(text: str) -> tuple[int, ...] | None:
     """``"auto"`` -> None; ``"256,512,1024"`` -> ascending distinct capacities."""
@@ -77,30 +86,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="comma-separated capacities in blocks, or 'auto': about 24 log-spaced from 16 "
         "blocks up to the trace's distinct block count (where LRU stops evicting)",
     )
-    p.add_argument(
-        "--block-size", type=at_least(1), default=512, metavar="B", help="tokens per block"
-    )
-    p.add_argument(
-        "--small-ratio",
-        type=ratio,
-        default=0.1,
-        metavar="F",
-        help="S3FIFO: the small queue's share of the capacity, in [0, 1]",
-    )
-    p.add_argument(
-        "--max-freq",
-        type=at_least(0),
-        default=3,
-        metavar="N",
-        help="S3FIFO: the cap of a block's access frequency",
-    )
-    p.add_argument(
-        "--ghost-admit-freq",
-        type=at_least(0),
-        default=0,
-        metavar="N",
-        help="S3FIFO: the frequency a ghost hit enters the main queue with, <= --max-freq",
-    )
+    add_options(p, replay_options(defaults_in_help=False))
     p.add_argument(
         "-j",
         "--jobs",
