@@ -17,9 +17,8 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, NoReturn, TypeAlias
 
-from prefixflight.core import ConfigError, PrefixflightError
+from prefixflight.core import PrefixflightError
 from prefixflight.core.cache import POLICIES
-from prefixflight.core.cache._registry import policy_name
 
 __all__ = [
     "POLICY_CHOICES",
@@ -110,12 +109,10 @@ POLICY_CHOICES = " or ".join(POLICIES)
 
 def eviction_policy(value: str) -> str:
     """An argparse type: a registered eviction policy name, any case."""
-    try:
-        return policy_name(value)
-    except ConfigError:
-        raise argparse.ArgumentTypeError(
-            f"invalid policy {value!r} (choose {POLICY_CHOICES})"
-        ) from None
+    name = value.lower()
+    if name not in POLICIES:
+        raise argparse.ArgumentTypeError(f"invalid policy {value!r} (choose {POLICY_CHOICES})")
+    return name
 
 
 def at_least(minimum: int) -> Callable[[str], int]:
