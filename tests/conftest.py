@@ -87,3 +87,21 @@ def vllm_launcher() -> ModuleType:
     sys.modules["vllm_launch"] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     return module
+
+
+def source_roots() -> list[Path]:
+    """The folders this process imported prefixflight from (the one above each
+    ``prefixflight.__path__`` entry: pyproject's hatch ``sources`` in a checkout), in import
+    order, so that no test spells the roots out."""
+    import prefixflight
+
+    return list(dict.fromkeys(Path(p).parent for p in prefixflight.__path__))
+
+
+def source_env(**extra: str) -> dict[str, str]:
+    """This process's environment (plus ``extra``) for a subprocess that imports the same
+    prefixflight: the PYTHONPATH starts with `source_roots`."""
+    env = dict(os.environ, **extra)
+    paths = [*map(str, source_roots()), *filter(None, [env.get("PYTHONPATH")])]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    return env

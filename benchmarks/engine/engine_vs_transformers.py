@@ -25,7 +25,7 @@ Transformers runs ``model.init_continuous_batching(...)`` with
 num_blocks=1024)`` (its default page of 256 tokens would share at most one block of a
 500-token system prompt; 16 matches ours) and per-request first-token times from
 ``add_request(..., record_timestamps=True)``. Ours: `AsyncEngine` with
-``EngineConfig(release_policy=AFTER_PREFILL, page_size=16, max_batch_tokens=1024)`` and
+``EngineConfig(release_policy=AFTER_PREFILL, block_size=16, max_batch_tokens=1024)`` and
 paged attention.
 
     python benchmarks/engine/engine_vs_transformers.py [--rounds 3] [--threads 1] [--dtype float32]
@@ -150,7 +150,7 @@ def run_ours(
     config = EngineConfig(
         release_policy=ReleasePolicy.AFTER_PREFILL,
         num_pages=runner.pool.num_pages,
-        page_size=PAGE_SIZE,
+        block_size=PAGE_SIZE,
         max_batch_tokens=MAX_BATCH_TOKENS,
         max_running=max(concurrency, 8),
     )

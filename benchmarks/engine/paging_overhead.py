@@ -101,7 +101,7 @@ def main() -> None:
         bare_cache = model(input_ids=torch.tensor([doc], device=dev), use_cache=True).cache
     use(paged_impl)
 
-    engine_cfg = EngineConfig(num_pages=4 * per, page_size=PAGE_SIZE)
+    engine_cfg = EngineConfig(num_pages=4 * per, block_size=PAGE_SIZE)
     engine_runner = TransformersRunner(model, _pool_like(paged, 4 * per))
     sfx = iter(suffixes)
 

@@ -95,7 +95,7 @@ def engine_for(model: Any, **config: Any) -> AsyncEngine:
     """An `AsyncEngine` over ``model`` with small pools of `PAGE`-token pages."""
     from prefixflight.backends.torch import AsyncEngine, EngineConfig
 
-    cfg = EngineConfig(num_pages=128, page_size=PAGE, max_batch_tokens=64, max_running=8, **config)
+    cfg = EngineConfig(num_pages=128, block_size=PAGE, max_batch_tokens=64, max_running=8, **config)
     return AsyncEngine.from_model(model, cfg, device="cpu")
 
 

@@ -217,7 +217,7 @@ def test_text_prompts_use_the_tokenizer(tiny_model: Any) -> None:
         return {"input_ids": [ord(c) % 512 for c in text]}
 
     async def main() -> list[int]:
-        cfg = EngineConfig(num_pages=64, page_size=PAGE, max_batch_tokens=64, max_running=4)
+        cfg = EngineConfig(num_pages=64, block_size=PAGE, max_batch_tokens=64, max_running=4)
         runner = TransformersRunner.for_model(tiny_model, num_pages=64, page_size=PAGE)
         async with AsyncEngine(runner, cfg, tokenizer=tokenizer) as engine:
             return await collect(engine.generate("hi there", SamplingParams(max_tokens=3)))
@@ -242,10 +242,20 @@ def test_engine_config_errors_name_the_value(kwargs: dict[str, Any], message: st
 
 def test_engine_config_must_fit_the_pool(tiny_model: Any) -> None:
     runner = TransformersRunner.for_model(tiny_model, num_pages=8, page_size=PAGE)
-    with pytest.raises(ConfigError, match="page_size 16"):
-        AsyncEngine(runner, EngineConfig(num_pages=8, page_size=16))
+    with pytest.raises(ConfigError, match="block_size 16"):
+        AsyncEngine(runner, EngineConfig(num_pages=8, block_size=16))
     with pytest.raises(ConfigError, match="num_pages 9"):
-        AsyncEngine(runner, EngineConfig(num_pages=9, page_size=PAGE))
+        AsyncEngine(runner, EngineConfig(num_pages=9, block_size=PAGE))
+
+
+def test_engine_config_page_size_is_a_deprecated_name_of_block_size() -> None:
+    with pytest.warns(DeprecationWarning, match="page_size is now block_size"):
+        old = EngineConfig(num_pages=8, page_size=PAGE)  # type: ignore[call-arg]  # hidden from type checkers
+    assert old == EngineConfig(num_pages=8, block_size=PAGE)
+    with pytest.warns(DeprecationWarning, match="page_size is now block_size"):
+        assert old.page_size == PAGE
+    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match="page_size"):
+        EngineConfig(page_size=8, block_size=PAGE)  # type: ignore[call-arg]
 
 
 def test_an_engine_closed_before_it_started_stays_closed(tiny_model: Any) -> None:
@@ -267,7 +277,7 @@ def test_engine_on_cuda_matches_the_cpu_greedy_reference(tiny_factory: Any) -> N
     expected = greedy_reference(model, prompt, 6)
 
     async def main() -> list[list[int]]:
-        cfg = EngineConfig(num_pages=64, page_size=PAGE, max_batch_tokens=64, max_running=4)
+        cfg = EngineConfig(num_pages=64, block_size=PAGE, max_batch_tokens=64, max_running=4)
         engine = AsyncEngine.from_model(model, cfg, device="cuda", dtype="float32")
         async with engine:
             gens = [engine.generate(prompt, SamplingParams(max_tokens=6)) for _ in range(3)]
@@ -298,7 +308,7 @@ def test_a_burst_never_recomputes_the_shared_prompt(
     config = EngineConfig(
         release_policy=policy,
         num_pages=256,
-        page_size=_BURST_PAGE,
+        block_size=_BURST_PAGE,
         max_batch_tokens=256,
         max_running=8,
     )

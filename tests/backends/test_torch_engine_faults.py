@@ -63,7 +63,7 @@ def test_a_failing_step_fails_its_request_and_a_queued_request_is_served(
 
     async def main() -> None:
         # one running request at a time: the queued request is in no step with the bad one
-        cfg = EngineConfig(num_pages=128, page_size=PAGE, max_batch_tokens=64, max_running=1)
+        cfg = EngineConfig(num_pages=128, block_size=PAGE, max_batch_tokens=64, max_running=1)
         async with AsyncEngine.from_model(tiny_model, cfg, device="cpu") as engine:
             with poisoned(tiny_model):
                 bad = engine.generate(BAD, SamplingParams(max_tokens=4))
@@ -125,7 +125,7 @@ def test_min_tokens_holds_back_end_of_sequence_and_stop_tokens(tiny_model: Any) 
     free = greedy_reference(tiny_model, prompt, 1)[0]  # the greedy first token
 
     async def main() -> None:
-        cfg = EngineConfig(num_pages=128, page_size=PAGE, max_batch_tokens=64, max_running=8)
+        cfg = EngineConfig(num_pages=128, block_size=PAGE, max_batch_tokens=64, max_running=8)
         async with AsyncEngine.from_model(
             tiny_model, cfg, eos_token_ids=[free], device="cpu"
         ) as engine:

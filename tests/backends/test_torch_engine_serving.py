@@ -30,7 +30,7 @@ pytestmark = pytest.mark.torch
 
 
 def config(**kw: Any) -> EngineConfig:
-    return EngineConfig(num_pages=128, page_size=PAGE, max_batch_tokens=64, max_running=8, **kw)
+    return EngineConfig(num_pages=128, block_size=PAGE, max_batch_tokens=64, max_running=8, **kw)
 
 
 class EosTokenizer:
@@ -75,7 +75,7 @@ def test_generation_stops_at_the_tokenizer_eos_unless_ignored(tiny_model: Any) -
 def test_engine_rejects_an_eos_outside_the_vocabulary(tiny_model: Any) -> None:
     runner = TransformersRunner.for_model(tiny_model, num_pages=16, page_size=PAGE)
     with pytest.raises(ConfigError, match="eos token id 512 "):
-        AsyncEngine(runner, EngineConfig(num_pages=16, page_size=PAGE), eos_token_ids=[512])
+        AsyncEngine(runner, EngineConfig(num_pages=16, block_size=PAGE), eos_token_ids=[512])
     with pytest.raises(ConfigError, match="ignore_eos must be a bool, got 'no'"):
         SamplingParams(ignore_eos="no")  # type: ignore[arg-type]
 

@@ -12,6 +12,8 @@ import pytest
 from prefixflight.cli import main
 from prefixflight.core._extras import install_command
 
+from ..conftest import source_roots
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -91,7 +93,7 @@ def test_the_conformance_kit_names_the_command_that_installs_the_extras() -> Non
 
 def test_no_source_spells_an_install_from_the_package_index() -> None:
     """Every hint comes from `install_command`: no module writes its own."""
-    for root in ("core", "specs", "backends", "serve"):
-        for path in (ROOT / root).rglob("*.py"):
+    for root in source_roots():
+        for path in root.rglob("*.py"):
             text = path.read_text(encoding="utf-8")
             assert "'prefixflight[" not in text and '"prefixflight[' not in text, path

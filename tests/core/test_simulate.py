@@ -280,3 +280,6 @@ def test_workload_errors() -> None:
     ]
     with pytest.raises(UsageError, match="never"):
         simulate_engine(never, config=cfg, flight=flight, cost=COST)
+    one = [Arrival(request_id=1, prompt=(1,), max_new_tokens=1)]
+    with pytest.raises(ConfigError, match="flight block_size 8 != config block_size 16"):
+        simulate_engine(one, config=cfg, flight=FlightConfig(block_size=8), cost=COST)

@@ -11,7 +11,7 @@ import pytest
 import prefixflight.core
 import prefixflight.sim
 from prefixflight.core import ConfigError, UsageError
-from prefixflight.core._validate import (
+from prefixflight.core.validate import (
     check_block_hashes,
     check_choice,
     check_instance,
@@ -85,12 +85,12 @@ def test_check_name_check_instance_and_block_hashes() -> None:
 
 def _sources() -> list[Path]:
     roots = [Path(prefixflight.core.__file__).parent, Path(prefixflight.sim.__file__).parent]
-    return sorted(p for root in roots for p in root.rglob("*.py") if p.name != "_validate.py")
+    return sorted(p for root in roots for p in root.rglob("*.py") if p.name != "validate.py")
 
 
 def test_no_hand_written_type_rule_outside_the_validation_layer() -> None:
     """``isinstance(v, bool)`` (the "an int is not a bool" rule) appears only in
-    core/_validate.py: every other module of the core and the simulations asks it."""
+    core/validate.py: every other module of the core and the simulations asks it."""
     found = []
     for path in _sources():
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):

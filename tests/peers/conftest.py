@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from ..conftest import source_env
+
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 _PROBE = (
@@ -27,9 +29,8 @@ _PROBE = (
 
 
 def peers_env() -> dict[str, str]:
-    roots = [str(ROOT / r) for r in ("core", "specs", "backends", "serve")]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([*roots, str(HERE), env.get("PYTHONPATH", "")])
+    env = source_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), env["PYTHONPATH"]])
     env.pop("HYPOTHESIS_PROFILE", None)
     return env
 

@@ -128,11 +128,11 @@ def start_tiny_server(model: Any, codec: Any = None, **limits: Any) -> ServerThr
     from prefixflight.serve.http import ServerConfig, build_app
 
     send_buffer = limits.pop("send_buffer", None)
-    engine_keys = ("max_running", "num_pages", "page_size", "max_batch_tokens", "release_policy")
+    engine_keys = ("max_running", "num_pages", "block_size", "max_batch_tokens", "release_policy")
     engine_limits = {k: limits.pop(k) for k in engine_keys if k in limits}
     engine_limits.setdefault("num_pages", 1024)
     engine_limits.setdefault("max_running", 8)
-    engine_limits.setdefault("page_size", PAGE)
+    engine_limits.setdefault("block_size", PAGE)
     engine_limits.setdefault("max_batch_tokens", 128)
     engine = AsyncEngine.from_model(
         model,

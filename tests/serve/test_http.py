@@ -259,7 +259,7 @@ def test_a_burst_over_http_never_recomputes_the_shared_prompt(
     from prefixflight.core import ReleasePolicy
 
     srv = start_server(
-        release_policy=ReleasePolicy(policy), page_size=16, max_batch_tokens=256, num_pages=512
+        release_policy=ReleasePolicy(policy), block_size=16, max_batch_tokens=256, num_pages=512
     )
     oa = client(srv)
 

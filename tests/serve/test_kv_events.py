@@ -36,8 +36,8 @@ from prefixflight.serve.kv_events import (
     decode_batch,
     fold_hash,
     kv_topic,
-    offset_endpoint,
 )
+from prefixflight.serve.kv_events._endpoints import offset_endpoint
 
 BS = 4
 LOOPBACK = "tcp://127.0.0.1:*"
@@ -178,9 +178,7 @@ def test_a_seq_gap_is_filled_by_replay(replay: bool) -> None:
                 pub.flush()
             assert pub.drain(10.0)
             target = pub.next_seq
-            _wait(
-                lambda: sub.feeds["r"].next_seq >= target, lambda: sub.poll(0.05), "the end"
-            )
+            _wait(lambda: sub.feeds["r"].next_seq >= target, lambda: sub.poll(0.05), "the end")
             keys = sub.index.replica("r").keys()
             dropped = {fold_hash(hasher.hash_tokens(p)[0]) for p in prompts[1:3]}
             if replay:
@@ -345,9 +343,7 @@ def test_an_index_following_a_publisher_equals_its_resident_set(
                 _sync(rebuilt, pub, "r")
                 resident = [b for b in seen if b in cache]
                 assert plain.index.replica("r").keys() == {fold_hash(b) for b in resident}
-                assert rebuilt.index.replica("r").keys() == {
-                    fold_hash(seen[b]) for b in resident
-                }
+                assert rebuilt.index.replica("r").keys() == {fold_hash(seen[b]) for b in resident}
                 for sub in (plain, rebuilt):
                     assert sub.feeds["r"].lost == 0 and sub.errors == 0
 

@@ -36,7 +36,7 @@ def test_a_subscriber_follows_a_served_engine_through_its_kv_events(tiny: Any) -
     )
     engine = AsyncEngine.from_model(
         tiny,
-        EngineConfig(page_size=PAGE, num_pages=64, max_batch_tokens=128, max_running=8),
+        EngineConfig(block_size=PAGE, num_pages=64, max_batch_tokens=128, max_running=8),
         eos_token_ids=[CharCodec.EOS],
         event_sink=publisher,
         device="cpu",

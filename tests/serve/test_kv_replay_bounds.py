@@ -19,8 +19,8 @@ from prefixflight.serve.kv_events import (
     KVEventSubscriber,
     PublisherAddress,
     decode_batch,
-    parse_replay_frames,
 )
+from prefixflight.serve.kv_events._wire import parse_replay_frames
 
 zmq = pytest.importorskip("zmq")
 LOOPBACK = "tcp://127.0.0.1:*"

@@ -32,7 +32,6 @@ from hypothesis import strategies as st
 
 from prefixflight.core import BlockHasher, UsageError
 from prefixflight.serve.kv_events import (
-    END_SEQ,
     KVEventFormatError,
     WireAllBlocksCleared,
     WireBatch,
@@ -42,9 +41,12 @@ from prefixflight.serve.kv_events import (
     encode_batch,
     fold_hash,
     kv_topic,
+    parse_topic,
+)
+from prefixflight.serve.kv_events._wire import (
+    END_SEQ,
     parse_live_frames,
     parse_replay_frames,
-    parse_topic,
     to_wire_hash,
 )
 

@@ -20,6 +20,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 prometheus_parser = pytest.importorskip("prometheus_client.parser")
 
+from ..conftest import source_env  # noqa: E402
 from .conftest import MODEL_NAME, PAGE, CharCodec, ServerThread, openai_client  # noqa: E402
 
 pytestmark = pytest.mark.torch
@@ -45,7 +46,7 @@ class Backend:
         self.publisher = KVEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*")
         engine = AsyncEngine.from_model(
             model,
-            EngineConfig(page_size=PAGE, max_batch_tokens=256, num_pages=1024, max_running=16),
+            EngineConfig(block_size=PAGE, max_batch_tokens=256, num_pages=1024, max_running=16),
             eos_token_ids=[CharCodec.EOS],
             event_sink=self.publisher,
             device="cpu",
@@ -781,13 +782,8 @@ def test_a_stopped_prefixflight_serve_costs_its_waiting_requests_seconds_not_the
     import signal
     import subprocess
     import sys
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(
-        str(root / d) for d in ("core", "specs", "backends", "serve")
-    )
+    env = source_env(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "prefixflight.cli", "serve", "--model", "tiny", "--port", "0"]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
     stopped = False

@@ -46,8 +46,10 @@ from prefixflight.serve.kv_events import (
     decode_batch,
     encode_batch,
     fold_hash,
-    parse_replay_frames,
 )
+from prefixflight.serve.kv_events._wire import parse_replay_frames
+
+from ..conftest import source_env
 
 zmq = pytest.importorskip("zmq")
 httpx = pytest.importorskip("httpx")
@@ -148,11 +150,7 @@ def _replayed_frames(replay_endpoint: str) -> list[bytes]:
 
 def _serve(*flags: str) -> tuple[subprocess.Popen[str], list[str]]:
     """``prefixflight serve`` in a subprocess; its stderr lines up to the one with its URL."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT / d) for d in ("core", "specs", "backends", "serve")]
-        + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
-    )
+    env = source_env()
     proc = subprocess.Popen(
         [sys.executable, "-m", "prefixflight.cli", "serve", "--port", "0", *flags],
         stderr=subprocess.PIPE,

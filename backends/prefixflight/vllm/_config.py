@@ -11,8 +11,9 @@ from typing import Final, Literal, final
 
 import attrs
 
-from prefixflight.core import LRU, S3FIFO, ConfigError, EvictionPolicy, ReleasePolicy
-from prefixflight.core._validate import check_int, check_number, check_ratio
+from prefixflight.core import ConfigError, EvictionPolicy, ReleasePolicy
+from prefixflight.core.cache import POLICIES, make_policy
+from prefixflight.core.validate import check_int, check_number, check_ratio
 
 __all__ = ["EvictionSettings", "FlightSettings", "PluginConfig"]
 
@@ -20,10 +21,7 @@ CONFIG_KEY: Final = "prefixflight"
 """The key of vLLM's ``--additional-config`` that holds the plugin's settings."""
 
 _TOP_KEYS: Final = ("eviction", "single_flight", "checked")
-_EVICTION_KEYS: Final = {
-    "lru": ("policy",),
-    "s3fifo": ("policy", "small_ratio", "max_freq", "ghost_admit_freq"),
-}
+_EVICTION_KEYS: Final = {name: ("policy", *cls.SETTINGS) for name, cls in POLICIES.items()}
 _FLIGHT_KEYS: Final = ("release", "max_wait_s", "min_shared_blocks")
 
 
@@ -55,9 +53,8 @@ class EvictionSettings:
 
     def build(self, capacity: int) -> EvictionPolicy:
         """The policy over ``capacity`` cacheable blocks."""
-        if self.policy == "lru":
-            return LRU(capacity)
-        return S3FIFO(
+        return make_policy(
+            self.policy,
             capacity,
             small_ratio=self.small_ratio,
             max_freq=self.max_freq,
@@ -85,9 +82,8 @@ class EvictionSettings:
         raw = _mapping("prefixflight.eviction", value)
         policy = raw.get("policy", "lru")
         if policy not in _EVICTION_KEYS:
-            raise ConfigError(
-                f"prefixflight.eviction.policy must be 'lru' or 's3fifo', got {policy!r}"
-            )
+            names = " or ".join(repr(n) for n in sorted(POLICIES))
+            raise ConfigError(f"prefixflight.eviction.policy must be {names}, got {policy!r}")
         _unknown(f"prefixflight.eviction ({policy})", raw, _EVICTION_KEYS[policy])
         if policy == "lru":
             return cls(policy="lru")

@@ -27,7 +27,6 @@ from typing import Any
 import attrs
 
 from prefixflight.core import ConfigError
-from prefixflight.core._validate import assert_never
 from prefixflight.core.flight import (
     Aborted,
     Arrived,
@@ -47,6 +46,7 @@ from prefixflight.core.flight import (
     Tick,
     Wait,
 )
+from prefixflight.core.validate import assert_never
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler as _VLLMAsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler as _VLLMScheduler
 from vllm.v1.request import RequestStatus

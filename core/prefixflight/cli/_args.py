@@ -13,17 +13,22 @@ import argparse
 import math
 import re
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeAlias
 
 from prefixflight.core import PrefixflightError
+from prefixflight.core.cache import POLICIES
 
 __all__ = [
+    "POLICY_CHOICES",
     "Formatter",
+    "Option",
     "Parser",
     "VersionAction",
+    "add_options",
     "at_least",
+    "eviction_policy",
     "finite_float",
     "non_negative_float",
     "output_file",
@@ -85,6 +90,29 @@ class VersionAction(argparse.Action):
             text = "unknown (not installed)"
         parser._print_message(f"{parser.prog} {text}\n", sys.stdout)  # stdout, as argparse's
         parser.exit()
+
+
+Option: TypeAlias = tuple[str, Callable[[str], Any] | None, object, str | None, str]
+"""A flag as one row of a command's option table: ``(flag, type, default, metavar, help)``;
+``None`` leaves that part to argparse (a string, no default, the flag's own name)."""
+
+
+def add_options(group: argparse._ActionsContainer, rows: Iterable[Option]) -> None:
+    """Add every row of an option table to a parser or an argument group."""
+    for flag, kind, default, metavar, text in rows:
+        group.add_argument(flag, type=kind or str, default=default, metavar=metavar, help=text)
+
+
+POLICY_CHOICES = " or ".join(POLICIES)
+"""The registered eviction policies, for help texts: ``s3fifo or lru``."""
+
+
+def eviction_policy(value: str) -> str:
+    """An argparse type: a registered eviction policy name, any case."""
+    name = value.lower()
+    if name not in POLICIES:
+        raise argparse.ArgumentTypeError(f"invalid policy {value!r} (choose {POLICY_CHOICES})")
+    return name
 
 
 def at_least(minimum: int) -> Callable[[str], int]:

@@ -17,7 +17,8 @@ from typing import Any
 
 from prefixflight.core._extras import missing_extra
 
-from ._args import at_least, output_file
+from ._args import Option, add_options, at_least, output_file
+from ._bench_plan import EXPERIMENTS
 from ._io import write_atomic, write_stdout
 from ._progress import progress
 
@@ -31,8 +32,6 @@ __all__ = [
     "run_calibrate",
     "run_ttft",
 ]
-
-EXPERIMENTS = ("warm_prefix", "incremental_publication", "single_flight", "late_arrival")
 
 
 def _sizes(value: str) -> tuple[int, ...]:
@@ -83,6 +82,25 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
 
 
+# fmt: off
+_TTFT: tuple[Option, ...] = (  # (flag, type, default, metavar, help)
+    ("--repetitions", at_least(1), 3, "N", "repetitions of every run; the tables show medians"),
+    ("--output-tokens", at_least(1), 128, "N", "tokens every request generates"),
+    ("--experiments", _experiments, ",".join(EXPERIMENTS), "LIST",
+     "comma-separated subset of " + ", ".join(EXPERIMENTS)),
+    ("--concurrency", _sizes, "2,4,8", "LIST",
+     "request counts for the incremental-publication and single-flight experiments"),
+    ("--max-batch-tokens", at_least(1), 1024, "N", "the scheduler's token budget per step"),
+)
+_CALIBRATE: tuple[Option, ...] = (
+    ("--repetitions", at_least(1), 5, "N", "interleaved repetitions of every measurement"),
+    ("--prefill-lengths", _sizes, "16,64,128,256,384,500", "LIST",
+     "cold prefill lengths; the largest is the full prompt"),
+    ("--decode-batches", _sizes, "1,2,4,8", "LIST", "decode batch sizes"),
+)
+# fmt: on
+
+
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     bench = sub.add_parser(
         "bench",
@@ -100,41 +118,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             "print medians over repetitions."
         ),
     )
-    p.add_argument(
-        "--repetitions",
-        type=at_least(1),
-        default=3,
-        metavar="N",
-        help="repetitions of every run; the tables show medians",
-    )
-    p.add_argument(
-        "--output-tokens",
-        type=at_least(1),
-        default=128,
-        metavar="N",
-        help="tokens every request generates",
-    )
-    p.add_argument(
-        "--experiments",
-        type=_experiments,
-        default=",".join(EXPERIMENTS),
-        metavar="LIST",
-        help="comma-separated subset of " + ", ".join(EXPERIMENTS),
-    )
-    p.add_argument(
-        "--concurrency",
-        type=_sizes,
-        default="2,4,8",
-        metavar="LIST",
-        help="request counts for the incremental-publication and single-flight experiments",
-    )
-    p.add_argument(
-        "--max-batch-tokens",
-        type=at_least(1),
-        default=1024,
-        metavar="N",
-        help="the scheduler's token budget per step",
-    )
+    add_options(p, _TTFT)
     add_model_options(p)
     p.set_defaults(func=run_ttft, parser=p)
     c = which.add_parser(
@@ -149,27 +133,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             "reproduce it in `prefixflight simulate flight`."
         ),
     )
-    c.add_argument(
-        "--repetitions",
-        type=at_least(1),
-        default=5,
-        metavar="N",
-        help="interleaved repetitions of every measurement",
-    )
-    c.add_argument(
-        "--prefill-lengths",
-        type=_sizes,
-        default="16,64,128,256,384,500",
-        metavar="LIST",
-        help="cold prefill lengths; the largest is the full prompt",
-    )
-    c.add_argument(
-        "--decode-batches",
-        type=_sizes,
-        default="1,2,4,8",
-        metavar="LIST",
-        help="decode batch sizes",
-    )
+    add_options(c, _CALIBRATE)
     c.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     add_dtype_argument(c)
     c.add_argument("--threads", type=at_least(1), default=2, metavar="N", help="torch CPU threads")

@@ -9,26 +9,50 @@ import attrs
 
 from prefixflight.core import ConfigError, ReplayConfig, replay
 
-from ._args import at_least, output_file, ratio, usage_errors
+from ._args import (
+    POLICY_CHOICES,
+    Option,
+    add_options,
+    at_least,
+    eviction_policy,
+    output_file,
+    ratio,
+    usage_errors,
+)
 from ._io import read_trace, write_atomic, write_stdout
 from ._progress import progress
 
-__all__ = ["load_config", "register", "run"]
+__all__ = ["load_config", "register", "replay_options", "run"]
 
 _MISSING_CAPACITY = "--capacity-blocks is required (or cache_capacity_blocks in --config)"
-
-
-def _policy(value: str) -> str:
-    name = value.lower()
-    if name not in ("s3fifo", "lru"):
-        raise argparse.ArgumentTypeError(f"invalid policy {value!r} (choose s3fifo or lru)")
-    return name
 
 
 def _default(name: str) -> str:
     """The `ReplayConfig` default of a field, for the help (flags default to None so that a
     --config file can fill in what they leave out)."""
     return f" (default: {getattr(attrs.fields(ReplayConfig), name).default})"
+
+
+# (flag, type, metavar, help, the ReplayConfig field)
+_REPLAY_SETTINGS = (
+    ("--block-size", at_least(1), "B", "tokens per block", "block_size"),
+    ("--small-ratio", ratio, "F", "S3FIFO: the small queue's share of the capacity, in [0, 1]",
+     "small_ratio"),
+    ("--max-freq", at_least(0), "N", "S3FIFO: the cap of a block's access frequency", "max_freq"),
+    ("--ghost-admit-freq", at_least(0), "N",
+     "S3FIFO: the frequency a ghost hit enters the main queue with, <= --max-freq",
+     "ghost_admit_freq"),
+)  # fmt: skip
+
+
+def replay_options(*, defaults_in_help: bool) -> list[Option]:
+    """The flags of `ReplayConfig`'s block size and S3FIFO settings (replay and sweep), with
+    its defaults as the flags' defaults, or only in the help (``replay``, whose --config fills
+    in what the flags leave out)."""
+    fields = attrs.fields(ReplayConfig)
+    if defaults_in_help:
+        return [(f, t, None, m, h + _default(n)) for f, t, m, h, n in _REPLAY_SETTINGS]
+    return [(f, t, getattr(fields, n).default, m, h) for f, t, m, h, n in _REPLAY_SETTINGS]
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -45,45 +69,16 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "trace", metavar="TRACE", help="a path, a .gz file, '-' (stdin) or bundled:NAME"
     )
     p.add_argument(
-        "--policy", type=_policy, default=None, help="s3fifo or lru" + _default("policy")
+        "--policy", type=eviction_policy, default=None, help=POLICY_CHOICES + _default("policy")
     )
-    p.add_argument(
-        "--capacity-blocks",
-        type=at_least(0),
-        default=None,
-        metavar="N",
-        help="cache capacity in blocks (required, here or in --config)",
-    )
-    p.add_argument(
-        "--block-size",
-        type=at_least(1),
-        default=None,
-        metavar="B",
-        help="tokens per block" + _default("block_size"),
-    )
-    p.add_argument(
-        "--small-ratio",
-        type=ratio,
-        default=None,
-        metavar="F",
-        help="S3FIFO: the small queue's share of the capacity, in [0, 1]"
-        + _default("small_ratio"),
-    )
-    p.add_argument(
-        "--max-freq",
-        type=at_least(0),
-        default=None,
-        metavar="N",
-        help="S3FIFO: the cap of a block's access frequency" + _default("max_freq"),
-    )
-    p.add_argument(
-        "--ghost-admit-freq",
-        type=at_least(0),
-        default=None,
-        metavar="N",
-        help="S3FIFO: the frequency a ghost hit enters the main queue with, <= --max-freq"
-        + _default("ghost_admit_freq"),
-    )
+    add_options(
+        p,
+        [
+            ("--capacity-blocks", at_least(0), None, "N",
+             "cache capacity in blocks (required, here or in --config)"),
+            *replay_options(defaults_in_help=True),
+        ],
+    )  # fmt: skip
     p.add_argument(
         "--config",
         metavar="FILE",

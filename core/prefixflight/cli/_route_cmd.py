@@ -18,12 +18,58 @@ from typing import Any
 from prefixflight.core import BurstConfig, ConfigError, UsageError
 from prefixflight.core._extras import missing_extra
 
-from ._args import at_least, port, positive_float
+from ._args import Option, add_options, at_least, port, positive_float
 from ._serve_cmd import add_access_arguments, api_keys
 
 __all__ = ["register", "run"]
 
 POLICIES = ("burst", "prefix", "round_robin")
+
+
+# fmt: off
+_ENGINES: tuple[Option, ...] = (  # (flag, type, default, metavar, help)
+    ("--engine-block-size", at_least(1), 16, "B",
+     "the backends' KV block size, for residency (vLLM's --block-size)"),
+    ("--tokenizer", None, None, "DIR",
+     "a Hugging Face tokenizer folder (the backends' model): text prompts are keyed by their "
+     "token ids, so KV-event residency applies to them; without it text is keyed by its bytes "
+     "and residency needs token-id prompts"),
+)
+_WINDOW: tuple[Option, ...] = (
+    ("--window-ms", at_least(1), 100, "MS", "batch window"),
+    ("--lone-wait-ms", at_least(1), None, "MS",
+     "adaptive window: release a request that shares its prefix with nothing in its window "
+     "after MS instead of at the window's end (default: off, as llm-d)"),
+    ("--quiet-ms", at_least(0), 10, "MS",
+     "quiet seal: seal the window once no request has joined it for MS, never later than "
+     "--window-ms after it opened (default: 10, measured in docs/distributed.md; 0: off, "
+     "llm-d's fixed window)"),
+    ("--max-per-replica", int, -1, "K",
+     "most members of one group per backend; -1 puts a group on one backend"),
+    ("--block-size", at_least(1), 64, "N",
+     "tokens (or bytes, without --tokenizer) per route-key block"),
+    ("--min-colocate-blocks", at_least(0), 0, "N",
+     "leading blocks that make different prompts co-locate; 0: identical prompts only"),
+    ("--max-batch-size", int, 1000, "N", "most requests per window"),
+)
+_HTTP: tuple[Option, ...] = (
+    ("--host", None, "127.0.0.1", None, "loopback only unless told otherwise"),
+    ("--port", port, 8080, None, "0 picks a free port"),
+    ("--max-in-flight", at_least(1), 1024, "N", "requests relayed at once; past it 429"),
+    ("--timeout-s", positive_float, 600.0, "S",
+     "longest wait for the next bytes of a backend's answer (a stream's next chunk)"),
+    ("--first-byte-timeout-s", positive_float, 300.0, "S",
+     "longest wait for a backend's answer to start (a non-streaming answer starts when it is "
+     "complete; default 300): then 504"),
+    ("--health-interval-s", positive_float, 2.0, "S",
+     "how often every backend's /health is probed (default 2)"),
+    ("--health-timeout-s", positive_float, 2.0, "S",
+     "a probe not answered 200 within S fails (default 2)"),
+    ("--health-failures", at_least(1), 2, "N",
+     "failed probes in a row that mark a backend down; requests whose answer has not started "
+     "move to another backend (default 2)"),
+)
+# fmt: on
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -69,110 +115,19 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "first topic each backend uses)",
     )
     p.add_argument("--policy", choices=POLICIES, default="burst", help="the routing policy")
-    p.add_argument(
-        "--engine-block-size",
-        type=at_least(1),
-        default=16,
-        metavar="B",
-        help="the backends' KV block size, for residency (vLLM's --block-size)",
-    )
-    p.add_argument(
-        "--tokenizer",
-        metavar="DIR",
-        help="a Hugging Face tokenizer folder (the backends' model): text prompts are keyed by "
-        "their token ids, so KV-event residency applies to them; without it text is keyed by "
-        "its bytes and residency needs token-id prompts",
-    )
+    add_options(p, _ENGINES)
     g = p.add_argument_group("burst window (llm-d's burst prefix-affinity parameters)")
-    g.add_argument("--window-ms", type=at_least(1), default=100, metavar="MS", help="batch window")
-    g.add_argument(
-        "--lone-wait-ms",
-        type=at_least(1),
-        default=None,
-        metavar="MS",
-        help="adaptive window: release a request that shares its prefix with nothing in its "
-        "window after MS instead of at the window's end (default: off, as llm-d)",
-    )
-    g.add_argument(
-        "--quiet-ms",
-        type=at_least(0),
-        default=10,
-        metavar="MS",
-        help="quiet seal: seal the window once no request has joined it for MS, never later "
-        "than --window-ms after it opened (default: 10, measured in docs/distributed.md; 0: "
-        "off, llm-d's fixed window)",
-    )
-    g.add_argument(
-        "--max-per-replica",
-        type=int,
-        default=-1,
-        metavar="K",
-        help="most members of one group per backend; -1 puts a group on one backend",
-    )
+    add_options(g, _WINDOW)
+    # the flag's name before it matched `prefixflight simulate router --block-size`
     g.add_argument(
         "--block-size-tokens",
+        dest="block_size",
         type=at_least(1),
-        default=64,
-        metavar="N",
-        help="tokens (or bytes, without --tokenizer) per route-key block",
-    )
-    g.add_argument(
-        "--min-colocate-blocks",
-        type=at_least(0),
-        default=0,
-        metavar="N",
-        help="leading blocks that make different prompts co-locate; 0: identical prompts only",
-    )
-    g.add_argument(
-        "--max-batch-size", type=int, default=1000, metavar="N", help="most requests per window"
+        default=argparse.SUPPRESS,
+        help=argparse.SUPPRESS,
     )
     h = p.add_argument_group("HTTP")
-    h.add_argument("--host", default="127.0.0.1", help="loopback only unless told otherwise")
-    h.add_argument("--port", type=port, default=8080, help="0 picks a free port")
-    h.add_argument(
-        "--max-in-flight",
-        type=at_least(1),
-        default=1024,
-        metavar="N",
-        help="requests relayed at once; past it 429",
-    )
-    h.add_argument(
-        "--timeout-s",
-        type=positive_float,
-        default=600.0,
-        metavar="S",
-        help="longest wait for the next bytes of a backend's answer (a stream's next chunk)",
-    )
-    h.add_argument(
-        "--first-byte-timeout-s",
-        type=positive_float,
-        default=300.0,
-        metavar="S",
-        help="longest wait for a backend's answer to start (a non-streaming answer starts "
-        "when it is complete; default 300): then 504",
-    )
-    h.add_argument(
-        "--health-interval-s",
-        type=positive_float,
-        default=2.0,
-        metavar="S",
-        help="how often every backend's /health is probed (default 2)",
-    )
-    h.add_argument(
-        "--health-timeout-s",
-        type=positive_float,
-        default=2.0,
-        metavar="S",
-        help="a probe not answered 200 within S fails (default 2)",
-    )
-    h.add_argument(
-        "--health-failures",
-        type=at_least(1),
-        default=2,
-        metavar="N",
-        help="failed probes in a row that mark a backend down; requests whose answer has not "
-        "started move to another backend (default 2)",
-    )
+    add_options(h, _HTTP)
     h.add_argument(
         "--log-level",
         choices=("critical", "error", "warning", "info", "debug"),
@@ -251,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
                 lone_wait_ms=args.lone_wait_ms,
                 quiet_ms=args.quiet_ms or None,
                 max_per_replica=args.max_per_replica,
-                block_size_tokens=args.block_size_tokens,
+                block_size_tokens=args.block_size,
                 min_colocate_blocks=args.min_colocate_blocks,
                 max_batch_size=args.max_batch_size,
             ),

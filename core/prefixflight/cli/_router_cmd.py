@@ -11,6 +11,8 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from ._args import (
+    Option,
+    add_options,
     at_least,
     non_negative_float,
     output_file,
@@ -39,6 +41,54 @@ def _span(value: str) -> tuple[int, int]:
     return pair
 
 
+# fmt: off
+_WORKLOAD: tuple[Option, ...] = (  # (flag, type, default, metavar, help)
+    ("--steps", at_least(1), 40, "N", "RL steps"),
+    ("--prompts", at_least(1), 32, "P", "prompts per step"),
+    ("--samples", at_least(1), 8, "G", "samples per prompt (a group of G identical prompts)"),
+    ("--prompt-tokens", _span, "64:128", "LOW:HIGH", "prompt length in tokens, uniform"),
+    ("--output-tokens", _span, "64:512", "LOW:HIGH", "output length in tokens, uniform"),
+    ("--shared-prefix-tokens", at_least(0), 0, "N",
+     "a system prompt of N tokens shared by every prompt"),
+    ("--burst-ms", non_negative_float, 50.0, "MS", "a step's rollouts arrive within this many ms"),
+    ("--trace", None, None, "TRACE",
+     "replay a Mooncake trace instead (a path, a .gz file, '-', bundled:NAME)"),
+    ("--clones", at_least(1), 1, "N", "trace burst overlay: copies of each record"),
+    ("--jitter-ms", non_negative_float, 0.0, "MS",
+     "trace burst overlay: a record's clones arrive within this many ms"),
+    ("--time-scale", positive_float, 1.0, "F", "trace: stretch (>1) or compress (<1) time"),
+    ("--limit", at_least(1), None, "N", "trace: replay only the first N records"),
+)
+_CLUSTER: tuple[Option, ...] = (
+    ("--replicas", at_least(1), 4, "N", "replicas"),
+    ("--cache-blocks", at_least(0), 65536, "N", "prefix cache per replica, in engine blocks"),
+    ("--engine-block-size", at_least(1), None, "B",
+     "engine KV block size in tokens (default: 16; 512 for a trace)"),
+    ("--prefill-us-per-token", non_negative_float, 100.0, "US",
+     "prefill time per uncached prompt token, in microseconds"),
+    ("--decode-ms-per-step", non_negative_float, 25.0, "MS",
+     "time of one continuous-batching iteration, in ms"),
+)
+_ROUTERS: tuple[Option, ...] = (
+    ("--index-lag-ms", non_negative_float, 10.0, "MS",
+     "approx: a routing decision reaches the prefix index this late"),
+    ("--window-ms", at_least(1), 100, "MS", "burst: the batch window T, 1..10000 ms"),
+    ("--k", int, -1, "K",
+     "burst: the most members of one group per replica; -1 keeps a group together"),
+    ("--block-size", at_least(1), None, "B",
+     "burst: the router's block size in tokens (default: 64; 512 for a trace)"),
+    ("--max-prefix-tokens", at_least(0), 0, "N",
+     "burst: the most prompt tokens in a prefix key; 0 means 2048 blocks"),
+    ("--min-colocate-blocks", at_least(0), 0, "N",
+     "burst: different prompts sharing at least N leading blocks are co-located (and a lone "
+     "request gets an affinity); 0 co-locates identical prompts only"),
+    ("--max-batch-size", int, 1000, "N",
+     "burst: the most requests one window's batch takes (-1: no cap; see docs/router.md for "
+     "what happens to the next one)"),
+)
+# fmt: on
+
+
 def register_router(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "router",
@@ -50,104 +100,8 @@ def register_router(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "workload, the settings and both results side by side."
         ),
     )
-    w = p.add_argument_group("workload (GRPO rollouts unless --trace)")
-    w.add_argument("--steps", type=at_least(1), default=40, metavar="N", help="RL steps")
-    w.add_argument(
-        "--prompts", type=at_least(1), default=32, metavar="P", help="prompts per step"
-    )
-    w.add_argument(
-        "--samples",
-        type=at_least(1),
-        default=8,
-        metavar="G",
-        help="samples per prompt (a group of G identical prompts)",
-    )
-    w.add_argument(
-        "--prompt-tokens",
-        type=_span,
-        default="64:128",
-        metavar="LOW:HIGH",
-        help="prompt length in tokens, uniform",
-    )
-    w.add_argument(
-        "--output-tokens",
-        type=_span,
-        default="64:512",
-        metavar="LOW:HIGH",
-        help="output length in tokens, uniform",
-    )
-    w.add_argument(
-        "--shared-prefix-tokens",
-        type=at_least(0),
-        default=0,
-        metavar="N",
-        help="a system prompt of N tokens shared by every prompt",
-    )
-    w.add_argument(
-        "--burst-ms",
-        type=non_negative_float,
-        default=50.0,
-        metavar="MS",
-        help="a step's rollouts arrive within this many ms",
-    )
-    w.add_argument(
-        "--trace",
-        metavar="TRACE",
-        help="replay a Mooncake trace instead (a path, a .gz file, '-', bundled:NAME)",
-    )
-    w.add_argument(
-        "--clones",
-        type=at_least(1),
-        default=1,
-        metavar="N",
-        help="trace burst overlay: copies of each record",
-    )
-    w.add_argument(
-        "--jitter-ms",
-        type=non_negative_float,
-        default=0.0,
-        metavar="MS",
-        help="trace burst overlay: a record's clones arrive within this many ms",
-    )
-    w.add_argument(
-        "--time-scale",
-        type=positive_float,
-        default=1.0,
-        metavar="F",
-        help="trace: stretch (>1) or compress (<1) time",
-    )
-    w.add_argument(
-        "--limit", type=at_least(1), metavar="N", help="trace: replay only the first N records"
-    )
-    c = p.add_argument_group("cluster")
-    c.add_argument("--replicas", type=at_least(1), default=4, metavar="N", help="replicas")
-    c.add_argument(
-        "--cache-blocks",
-        type=at_least(0),
-        default=65536,
-        metavar="N",
-        help="prefix cache per replica, in engine blocks",
-    )
-    c.add_argument(
-        "--engine-block-size",
-        type=at_least(1),
-        metavar="B",
-        help="engine KV block size in tokens (default: 16; 512 for a trace)",
-    )
-    c.add_argument(
-        "--prefill-us-per-token",
-        type=non_negative_float,
-        default=100.0,
-        metavar="US",
-        help="prefill time per uncached prompt token, in microseconds",
-    )
-    c.add_argument(
-        "--decode-ms-per-step",
-        type=non_negative_float,
-        default=25.0,
-        metavar="MS",
-        help="time of one continuous-batching iteration, in ms",
-    )
+    add_options(p.add_argument_group("workload (GRPO rollouts unless --trace)"), _WORKLOAD)
+    add_options(p.add_argument_group("cluster"), _CLUSTER)
     b = p.add_argument_group("routers")
     b.add_argument(
         "--baseline",
@@ -155,56 +109,7 @@ def register_router(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default="approx",
         help="the baseline router; also the burst router's fallback",
     )
-    b.add_argument(
-        "--index-lag-ms",
-        type=non_negative_float,
-        default=10.0,
-        metavar="MS",
-        help="approx: a routing decision reaches the prefix index this late",
-    )
-    b.add_argument(
-        "--window-ms",
-        type=at_least(1),
-        default=100,
-        metavar="MS",
-        help="burst: the batch window T, 1..10000 ms",
-    )
-    b.add_argument(
-        "--k",
-        type=int,
-        default=-1,
-        metavar="K",
-        help="burst: the most members of one group per replica; -1 keeps a group together",
-    )
-    b.add_argument(
-        "--block-size",
-        type=at_least(1),
-        metavar="B",
-        help="burst: the router's block size in tokens (default: 64; 512 for a trace)",
-    )
-    b.add_argument(
-        "--max-prefix-tokens",
-        type=at_least(0),
-        default=0,
-        metavar="N",
-        help="burst: the most prompt tokens in a prefix key; 0 means 2048 blocks",
-    )
-    b.add_argument(
-        "--min-colocate-blocks",
-        type=at_least(0),
-        default=0,
-        metavar="N",
-        help="burst: different prompts sharing at least N leading blocks are co-located "
-        "(and a lone request gets an affinity); 0 co-locates identical prompts only",
-    )
-    b.add_argument(
-        "--max-batch-size",
-        type=int,
-        default=1000,
-        metavar="N",
-        help="burst: the most requests one window's batch takes (-1: no cap; see "
-        "docs/router.md for what happens to the next one)",
-    )
+    add_options(b, _ROUTERS)
     b.add_argument(
         "--full-batch",
         choices=("no_affinity", "seal_early"),
@@ -220,12 +125,8 @@ def register_router(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="burst: spread groups over replicas by their running requests, or by their "
         "uncached prefix tokens",
     )
-    p.add_argument(
-        "--seed", type=int, default=0, metavar="N", help="workload and tie-break seed"
-    )
-    p.add_argument(
-        "--json", type=output_file, metavar="FILE", help="also write the results as JSON here"
-    )
+    add_options(p, [("--seed", int, 0, "N", "workload and tie-break seed")])
+    add_options(p, [("--json", output_file, None, "FILE", "also write the results as JSON here")])
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run_router, parser=p)
 

@@ -22,8 +22,9 @@ from typing import Any, NoReturn, TypeVar
 
 from prefixflight.core import ReleasePolicy, UsageError
 from prefixflight.core._extras import missing_extra
+from prefixflight.core.cache import POLICIES
 
-from ._args import at_least, non_negative_float, port, positive_float
+from ._args import Option, add_options, at_least, non_negative_float, port, positive_float
 from ._bench_cmd import add_dtype_argument, prepare_torch_process
 from ._serve_ray_cmd import RAY_DEFAULTS, add_ray_arguments, as_given, ray_flags_given, run_ray
 
@@ -43,6 +44,28 @@ KV_LOOPBACK = "tcp://127.0.0.1:*"  # a free loopback port
 RELEASE_POLICIES = tuple(p.value for p in ReleasePolicy)
 # what the replicas read too, and the CLI's own entries: the rest only the HTTP server reads
 _NOT_HTTP_ONLY = ("replicas", "model", "command", "func", "parser")
+
+
+# fmt: off
+_POOL: tuple[Option, ...] = (  # (flag, type, default, metavar, help)
+    ("--num-pages", at_least(1), 2048, "N",
+     "KV pool pages (default 2048: 32,768 tokens of 16, about 0.75 GB for SmolLM2 in bf16); a "
+     "request reserves pages for its prompt and max_tokens when admitted"),
+    ("--block-size", at_least(1), 16, "B", "tokens per page and cached block (default 16)"),
+)
+_BATCHING: tuple[Option, ...] = (
+    ("--min-shared-blocks", at_least(1), None, "K",
+     "also share a flight's prefix with requests that share K leading blocks (default: "
+     "identical prompts only)"),
+    ("--max-running", at_least(1), 64, "N",
+     "requests decoding at once (default 64: a burst of 32 runs at once)"),
+    ("--max-waiting", at_least(0), 64, "N",
+     "requests that may queue beyond --max-running before 429 (default 64)"),
+    ("--max-batch-tokens", at_least(1), 1024, "N", "tokens per engine step (default 1024)"),
+)
+_THREADS: Option = ("--threads", at_least(1), None, "N",
+                    "torch CPU threads (default: torch's choice)")
+# fmt: on
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -83,21 +106,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     http.add_argument("--access-log", action="store_true", help="log every HTTP request")
     engine = p.add_argument_group("the engine")
-    engine.add_argument(
-        "--num-pages",
-        type=at_least(1),
-        default=2048,
-        metavar="N",
-        help="KV pool pages (default 2048: 32,768 tokens of 16, about 0.75 GB for SmolLM2 in "
-        "bf16); a request reserves pages for its prompt and max_tokens when admitted",
-    )
-    engine.add_argument(
-        "--block-size",
-        type=at_least(1),
-        default=16,
-        metavar="B",
-        help="tokens per page and cached block (default 16)",
-    )
+    add_options(engine, _POOL)
     engine.add_argument(
         "--release-policy",
         choices=RELEASE_POLICIES,
@@ -105,45 +114,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         metavar="POLICY",
         help="single flight: after_prefill (default), on_completion or independent (off)",
     )
-    engine.add_argument(
-        "--min-shared-blocks",
-        type=at_least(1),
-        default=None,
-        metavar="K",
-        help="also share a flight's prefix with requests that share K leading "
-        "blocks (default: identical prompts only)",
-    )
-    engine.add_argument(
-        "--max-running",
-        type=at_least(1),
-        default=64,
-        metavar="N",
-        help="requests decoding at once (default 64: a burst of 32 runs at once)",
-    )
-    engine.add_argument(
-        "--max-waiting",
-        type=at_least(0),
-        default=64,
-        metavar="N",
-        help="requests that may queue beyond --max-running before 429 (default 64)",
-    )
-    engine.add_argument(
-        "--max-batch-tokens",
-        type=at_least(1),
-        default=1024,
-        metavar="N",
-        help="tokens per engine step (default 1024)",
-    )
-    engine.add_argument("--eviction", choices=("lru", "s3fifo"), default="lru", help="default lru")
+    add_options(engine, _BATCHING)
+    engine.add_argument("--eviction", choices=sorted(POLICIES), default="lru", help="default lru")
     engine.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     add_dtype_argument(engine)
-    engine.add_argument(
-        "--threads",
-        type=at_least(1),
-        default=None,
-        metavar="N",
-        help="torch CPU threads (default: torch's choice)",
-    )
+    add_options(engine, [_THREADS])
     kv = p.add_argument_group("KV events (docs/kv-events.md)")
     kv.add_argument(
         "--kv-events",
@@ -440,7 +415,7 @@ def run(args: argparse.Namespace) -> int:
             config = backend.EngineConfig(
                 release_policy=ReleasePolicy(args.release_policy),
                 num_pages=args.num_pages,
-                page_size=args.block_size,
+                block_size=args.block_size,
                 max_batch_tokens=args.max_batch_tokens,
                 max_running=args.max_running,
                 eviction=args.eviction,

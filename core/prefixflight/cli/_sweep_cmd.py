@@ -18,22 +18,21 @@ import attrs
 
 from prefixflight.core import PrefixflightError, ReplayConfig, UsageError, replay
 from prefixflight.core._extras import missing_extra
-from prefixflight.core.cache import CurvePoint, LRUCurve, auto_capacities
+from prefixflight.core.cache import POLICIES, CurvePoint, LRUCurve, auto_capacities
 
-from ._args import at_least, output_file, ratio, usage_errors
+from ._args import (
+    POLICY_CHOICES,
+    add_options,
+    at_least,
+    eviction_policy,
+    output_file,
+    usage_errors,
+)
 from ._io import atomic_path, read_trace, write_atomic, write_stdout
 from ._progress import progress
+from ._replay_cmd import replay_options
 
 __all__ = ["format_table", "parse_capacities", "plot", "register", "run", "sweep"]
-
-_POLICIES = ("s3fifo", "lru")
-
-
-def _policy(value: str) -> str:
-    name = value.lower()
-    if name not in _POLICIES:
-        raise argparse.ArgumentTypeError(f"invalid policy {value!r} (choose s3fifo or lru)")
-    return name
 
 
 def parse_capacities(text: str) -> tuple[int, ...] | None:
@@ -73,11 +72,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument(
         "--policy",
-        type=_policy,
+        type=eviction_policy,
         action="append",
         dest="policies",
         default=None,
-        help="s3fifo or lru; repeat for both (default: both)",
+        help=f"{POLICY_CHOICES}; repeat for both (default: both)",
     )
     p.add_argument(
         "--capacities",
@@ -87,30 +86,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="comma-separated capacities in blocks, or 'auto': about 24 log-spaced from 16 "
         "blocks up to the trace's distinct block count (where LRU stops evicting)",
     )
-    p.add_argument(
-        "--block-size", type=at_least(1), default=512, metavar="B", help="tokens per block"
-    )
-    p.add_argument(
-        "--small-ratio",
-        type=ratio,
-        default=0.1,
-        metavar="F",
-        help="S3FIFO: the small queue's share of the capacity, in [0, 1]",
-    )
-    p.add_argument(
-        "--max-freq",
-        type=at_least(0),
-        default=3,
-        metavar="N",
-        help="S3FIFO: the cap of a block's access frequency",
-    )
-    p.add_argument(
-        "--ghost-admit-freq",
-        type=at_least(0),
-        default=0,
-        metavar="N",
-        help="S3FIFO: the frequency a ghost hit enters the main queue with, <= --max-freq",
-    )
+    add_options(p, replay_options(defaults_in_help=False))
     p.add_argument(
         "-j",
         "--jobs",
@@ -150,8 +126,8 @@ def _lru_points(
     return curve.points()
 
 
-def _s3fifo_point(trace: str, config: ReplayConfig) -> CurvePoint:
-    """One S3FIFO replay (runs in a worker process)."""
+def _replay_point(trace: str, config: ReplayConfig) -> CurvePoint:
+    """One replay at one capacity (runs in a worker process)."""
     try:
         with read_trace(trace) as reader:
             report = replay(reader, config)
@@ -166,13 +142,15 @@ def _s3fifo_point(trace: str, config: ReplayConfig) -> CurvePoint:
     )
 
 
-def _s3fifo_points(
+def _replay_points(
     trace: str, configs: Sequence[ReplayConfig], jobs: int, quiet: bool
 ) -> tuple[CurvePoint, ...]:
+    """One replay per capacity (the configs share their policy), in parallel processes."""
+    desc = configs[0].policy if configs else ""
     if jobs <= 1 or len(configs) <= 1:
         points = progress(
-            (_s3fifo_point(trace, c) for c in configs),
-            desc="s3fifo",
+            (_replay_point(trace, c) for c in configs),
+            desc=desc,
             unit="capacity",
             total=len(configs),
             quiet=quiet,
@@ -182,9 +160,9 @@ def _s3fifo_points(
 
     by_capacity: dict[int, CurvePoint] = {}
     with ProcessPoolExecutor(max_workers=min(jobs, len(configs))) as pool:
-        futures = [pool.submit(_s3fifo_point, trace, c) for c in configs]
+        futures = [pool.submit(_replay_point, trace, c) for c in configs]
         for fut in progress(
-            as_completed(futures), desc="s3fifo", unit="capacity", total=len(futures), quiet=quiet
+            as_completed(futures), desc=desc, unit="capacity", total=len(futures), quiet=quiet
         ):
             point = fut.result()
             by_capacity[point.capacity] = point
@@ -223,15 +201,15 @@ def sweep(
         else auto_capacities(_count_distinct(trace, quiet))
     )
     curves: dict[str, list[dict[str, Any]]] = {}
-    for policy in dict.fromkeys(policies):  # distinct, in the order given
-        if policy == "lru":
+    for name in dict.fromkeys(policies):  # distinct, in the order given
+        if name not in POLICIES:
+            raise UsageError(f"unknown policy {name!r} (choose {POLICY_CHOICES})")
+        if name == "lru":  # every capacity in one pass (stack distances)
             points = _lru_points(trace, caps, block_size, quiet)
-        elif policy == "s3fifo":
-            configs = [attrs.evolve(base, cache_capacity_blocks=c) for c in caps]
-            points = _s3fifo_points(trace, configs, jobs or os.cpu_count() or 1, quiet)
         else:
-            raise UsageError(f"unknown policy {policy!r} (choose s3fifo or lru)")
-        curves[policy] = [p.to_dict() for p in points]
+            configs = [attrs.evolve(base, policy=name, cache_capacity_blocks=c) for c in caps]
+            points = _replay_points(trace, configs, jobs or os.cpu_count() or 1, quiet)
+        curves[name] = [p.to_dict() for p in points]
     return {"trace": trace, "capacities": list(caps), "curves": curves}
 
 
@@ -277,7 +255,7 @@ def plot(doc: dict[str, Any], path: str, *, block_size: int) -> None:
             marker=markers.get(policy, "."),
             markersize=4,
             linewidth=1.6,
-            label=policy.upper() if policy == "lru" else "S3FIFO",
+            label=policy.upper(),
         )
     ax.set_xscale("log")
     ax.set_xlabel(f"cache capacity (blocks of {block_size} tokens, log scale)")
@@ -313,7 +291,7 @@ def run(args: argparse.Namespace) -> int:
         ).make_policy()
     doc = sweep(
         args.trace,
-        args.policies or list(_POLICIES),
+        args.policies or list(POLICIES),
         args.capacities,
         block_size=args.block_size,
         small_ratio=args.small_ratio,

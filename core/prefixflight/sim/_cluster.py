@@ -49,8 +49,8 @@ from prefixflight.core import (
     TraceRecord,
     UsageError,
 )
-from prefixflight.core._validate import check_int, check_number
 from prefixflight.core.routing import Rng
+from prefixflight.core.validate import check_int, check_number
 
 __all__ = [
     "ClusterConfig",

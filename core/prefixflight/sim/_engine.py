@@ -34,11 +34,8 @@ from typing import final
 import attrs
 
 from prefixflight.core import (
-    LRU,
     ConfigError,
     FlightConfig,
-    FlightCoordinator,
-    PrefixCache,
     RequestId,
     RequestReport,
     Scheduler,
@@ -47,8 +44,8 @@ from prefixflight.core import (
     StepResult,
     UsageError,
 )
-from prefixflight.core._validate import check_ratio, is_int, is_real, number_field
 from prefixflight.core.flight import FlightStats, Role, SchedulerStats
+from prefixflight.core.validate import check_ratio, is_int, is_real, number_field
 
 __all__ = ["Arrival", "CostModel", "SimulationResult", "simulate_engine"]
 
@@ -247,10 +244,15 @@ def simulate_engine(
 ) -> SimulationResult:
     """Run the workload to completion in simulated time; every sampled token is
     ``sampled_token`` (never a stop token). Arrivals during a step join at their own time."""
-    sched = Scheduler(
+    if flight.block_size != config.block_size:
+        raise ConfigError(
+            f"flight block_size {flight.block_size} != config block_size {config.block_size}"
+        )
+    sched = Scheduler.build(
         config,
-        cache=PrefixCache(LRU(config.num_pages), config.block_size),
-        coordinator=FlightCoordinator(flight),
+        release=flight.policy,
+        max_wait=flight.max_wait,
+        min_shared_blocks=flight.min_shared_blocks,
     )
     timed: list[tuple[float, int, Arrival]] = []
     triggered: dict[RequestId, list[tuple[int, int, Arrival]]] = {}

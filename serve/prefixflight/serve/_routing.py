@@ -34,7 +34,6 @@ from prefixflight.core import (
     RouteRequest,
     UsageError,
 )
-from prefixflight.core._validate import check_time
 from prefixflight.core.routing import (
     ApproxPrefixConfig,
     ApproxPrefixRouter,
@@ -42,6 +41,7 @@ from prefixflight.core.routing import (
     LeastLoadedRouter,
 )
 from prefixflight.core.routing._protocol import check_replicas
+from prefixflight.core.validate import check_time
 
 from ._residency import BlockSetResidency, FollowsReplicas, ResidencyFirstRouter
 

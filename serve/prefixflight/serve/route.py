@@ -43,11 +43,11 @@ import json
 import socket
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import Any, Final, final
+from typing import Annotated, Any, Final, final
 
 import aiohttp
 import attrs
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -865,6 +865,118 @@ def _error_response(err: HttpError) -> JSONResponse:
     )
 
 
+# -- the routes: one APIRouter; the app's `_Router` reached through a dependency -----------
+_routes = APIRouter()
+
+
+def _router_of(request: Request) -> _Router:
+    router: _Router = request.app.state.router
+    return router
+
+
+_RouterDep = Annotated[_Router, Depends(_router_of)]
+
+
+@_routes.get("/health")
+async def health(router: _RouterDep) -> Response:
+    """200 with the backends' and the KV-event subscriber's state while a backend is up
+    (``status``: ``"ok"``, or ``"degraded"`` while the subscriber's thread is not
+    running); 503 when none is, or while shutting down."""
+    if router.draining:
+        raise HttpError(503, "the router is shutting down", "service_unavailable")
+    if not any(router.up.values()):
+        down = ", ".join(router.names)
+        raise HttpError(
+            503, f"no backend is up (none answered /health: {down})", "service_unavailable"
+        )
+    return JSONResponse(router.health())
+
+
+@_routes.get("/metrics")
+async def metrics(router: _RouterDep) -> Response:
+    return Response(router.scrape(), media_type=CONTENT_TYPE_LATEST)
+
+
+@_routes.get("/v1/models")
+async def models(router: _RouterDep, request: Request) -> Response:
+    return await _forward(router, "GET", "/v1/models", request, None)
+
+
+@_routes.post("/tokenize")
+async def tokenize(router: _RouterDep, request: Request) -> Response:
+    return await _forward(router, "POST", "/tokenize", request, await request.body())
+
+
+@_routes.post("/detokenize")
+async def detokenize(router: _RouterDep, request: Request) -> Response:
+    return await _forward(router, "POST", "/detokenize", request, await request.body())
+
+
+@_routes.post("/v1/completions")
+async def completions(router: _RouterDep, request: Request) -> Response:
+    return await _generate(router, "completions", "/v1/completions", request)
+
+
+@_routes.post("/v1/chat/completions")
+async def chat(router: _RouterDep, request: Request) -> Response:
+    return await _generate(router, "chat", "/v1/chat/completions", request)
+
+
+async def _forward(
+    router: _Router, method: str, path: str, request: Request, body: bytes | None
+) -> Response:
+    """A stateless call: to the least loaded live backend."""
+    name = router.least_loaded()
+    if name is None:
+        raise HttpError(503, "no backend is up", "service_unavailable")
+    if method == "POST":
+        assert body is not None
+        return await router.relay(path.strip("/"), path, request, body, name)
+    router.count(name, +1)
+    try:
+        upstream = await router.send(name, method, path, request, None)
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        router.count(name, -1)
+        raise HttpError(502, f"backend {name} failed: {exc}", "bad_gateway") from None
+    return await router.answer(name, upstream)
+
+
+async def _generate(router: _Router, endpoint: str, path: str, request: Request) -> Response:
+    """A completion or chat request: checked, keyed, placed by the routing policy, relayed."""
+    config = router.config
+    if router.draining:
+        raise HttpError(503, "the router is shutting down", "service_unavailable")
+    body = await request.body()
+    try:
+        parsed = json.loads(body)
+    except (ValueError, RecursionError):
+        raise HttpError(400, "the request body is not valid JSON") from None
+    if not isinstance(parsed, dict):
+        raise HttpError(400, "the request body must be a JSON object")
+    if router.total_in_flight >= config.max_in_flight:
+        router.metrics.rejected.labels("overloaded").inc()
+        raise HttpError(
+            429,
+            f"the router is overloaded: {router.total_in_flight} requests in flight, the "
+            f"limit is {config.max_in_flight}; retry later",
+            "rate_limit_exceeded",
+            headers={"Retry-After": "1"},
+        )
+    tenant = getattr(request.state, "tenant", None)  # set by ApiKeys with a keys file
+    keyed = bool(config.api_keys)
+    prompt = await route_prompt(endpoint, parsed, router.codec, tenant=tenant, keyed=keyed)
+    if keyed:  # the backend keeps tenants apart by the salt (see tenant_salt)
+        salt = tenant_salt(parsed, tenant)
+        if salt is None:
+            parsed.pop("cache_salt", None)
+        else:
+            parsed["cache_salt"] = salt
+        body = json.dumps(parsed).encode()
+    rid = uuid.uuid4().hex
+    name = await router.choose(rid, prompt)
+    return await router.relay(endpoint, path, request, body, name)
+
+
 def build_route_app(
     config: RouteConfig,
     *,
@@ -938,93 +1050,7 @@ def build_route_app(
             HttpError(500, f"internal router error ({type(exc).__name__})", "server_error")
         )
 
-    @app.get("/health")
-    async def health() -> Response:
-        """200 with the backends' and the KV-event subscriber's state while a backend is up
-        (``status``: ``"ok"``, or ``"degraded"`` while the subscriber's thread is not
-        running); 503 when none is, or while shutting down."""
-        if router.draining:
-            raise HttpError(503, "the router is shutting down", "service_unavailable")
-        if not any(router.up.values()):
-            down = ", ".join(router.names)
-            raise HttpError(
-                503, f"no backend is up (none answered /health: {down})", "service_unavailable"
-            )
-        return JSONResponse(router.health())
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(router.scrape(), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        return await forward("GET", "/v1/models", request, None)
-
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> Response:
-        return await forward("POST", "/tokenize", request, await request.body())
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> Response:
-        return await forward("POST", "/detokenize", request, await request.body())
-
-    async def forward(method: str, path: str, request: Request, body: bytes | None) -> Response:
-        """A stateless call: to the least loaded live backend."""
-        name = router.least_loaded()
-        if name is None:
-            raise HttpError(503, "no backend is up", "service_unavailable")
-        if method == "POST":
-            assert body is not None
-            return await router.relay(path.strip("/"), path, request, body, name)
-        router.count(name, +1)
-        try:
-            upstream = await router.send(name, method, path, request, None)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            router.count(name, -1)
-            raise HttpError(502, f"backend {name} failed: {exc}", "bad_gateway") from None
-        return await router.answer(name, upstream)
-
-    async def generate(endpoint: str, path: str, request: Request) -> Response:
-        if router.draining:
-            raise HttpError(503, "the router is shutting down", "service_unavailable")
-        body = await request.body()
-        try:
-            parsed = json.loads(body)
-        except (ValueError, RecursionError):
-            raise HttpError(400, "the request body is not valid JSON") from None
-        if not isinstance(parsed, dict):
-            raise HttpError(400, "the request body must be a JSON object")
-        if router.total_in_flight >= config.max_in_flight:
-            router.metrics.rejected.labels("overloaded").inc()
-            raise HttpError(
-                429,
-                f"the router is overloaded: {router.total_in_flight} requests in flight, the "
-                f"limit is {config.max_in_flight}; retry later",
-                "rate_limit_exceeded",
-                headers={"Retry-After": "1"},
-            )
-        tenant = getattr(request.state, "tenant", None)  # set by ApiKeys with a keys file
-        keyed = bool(config.api_keys)
-        prompt = await route_prompt(endpoint, parsed, router.codec, tenant=tenant, keyed=keyed)
-        if keyed:  # the backend keeps tenants apart by the salt (see tenant_salt)
-            salt = tenant_salt(parsed, tenant)
-            if salt is None:
-                parsed.pop("cache_salt", None)
-            else:
-                parsed["cache_salt"] = salt
-            body = json.dumps(parsed).encode()
-        rid = uuid.uuid4().hex
-        name = await router.choose(rid, prompt)
-        return await router.relay(endpoint, path, request, body, name)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await generate("completions", "/v1/completions", request)
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        return await generate("chat", "/v1/chat/completions", request)
-
+    app.include_router(_routes)
     return app
 
 

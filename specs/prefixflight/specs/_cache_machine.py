@@ -22,13 +22,13 @@ from prefixflight.core import (
     PrefixCache,
     UsageError,
 )
-from prefixflight.core._validate import assert_never
 from prefixflight.core.cache import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEvent,
 )
+from prefixflight.core.validate import assert_never
 
 from ._adapter import name_of, semantics_of
 from ._declare import PolicySemantics

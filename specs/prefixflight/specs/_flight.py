@@ -36,7 +36,6 @@ from prefixflight.core import (
     RequestId,
     UsageError,
 )
-from prefixflight.core._validate import assert_never
 from prefixflight.core.flight import (
     Aborted,
     Arrived,
@@ -55,6 +54,7 @@ from prefixflight.core.flight import (
     Tick,
     Wait,
 )
+from prefixflight.core.validate import assert_never
 
 __all__ = ["CoordinatorUnderTest", "FlightCoordinatorMachine", "FlightModel"]
 
@@ -556,8 +556,7 @@ class FlightCoordinatorMachine(RuleBasedStateMachine):
     # -- invariants ----------------------------------------------------------------------
     @invariant()
     def agrees_with_model(self) -> None:
-        if self.model is None:
-            return
+        assert self.model is not None  # invariants run after `setup`
         self.impl.check_invariants()
         assert self.impl.placements() == self.model.placements()
         assert self.impl.flights() == self.model.open_flights()
@@ -565,8 +564,7 @@ class FlightCoordinatorMachine(RuleBasedStateMachine):
 
     @invariant()
     def one_flight_per_key_and_no_empty_flight(self) -> None:
-        if self.model is None:
-            return
+        assert self.model is not None
         keys = [f.key for f in self.model.flights]
         assert len(keys) == len(set(keys))
         for _, (leader, waiting) in self.impl.flights().items():

@@ -161,7 +161,7 @@ class PolicyConformance(RuleBasedStateMachine):
             close()
 
     def _has(self, op: str) -> bool:
-        return hasattr(self, "impl") and op in type(self).semantics.ops
+        return op in type(self).semantics.ops
 
     def _snapshot(self) -> tuple[object, ...]:
         exposed = [getattr(self.impl, v, None) for v in type(self).views]
@@ -205,7 +205,6 @@ class PolicyConformance(RuleBasedStateMachine):
         assert got == want, f"{call}: the implementation gave {got!r}, the reference {want!r}"
         return got
 
-    @precondition(lambda self: hasattr(self, "impl"))
     @rule(blocks=st.lists(_KEYS, min_size=1, max_size=4))  # never an empty, no-op step
     def access(self, blocks: list[int]) -> None:
         evicted = self._both("access", blocks)
@@ -251,8 +250,6 @@ class PolicyConformance(RuleBasedStateMachine):
 
     @invariant()
     def agrees_with_reference(self) -> None:
-        if not hasattr(self, "impl"):
-            return
         after = f"after {self.step}"
         mine, theirs = self.impl.resident(), self.ref.resident()
         assert mine == theirs, (

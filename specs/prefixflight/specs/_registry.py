@@ -20,6 +20,7 @@ from typing import Any
 import attrs
 
 from prefixflight.core import UsageError
+from prefixflight.core.cache import POLICIES
 
 from ._declare import EngineSemantics, IndexSemantics, PolicySemantics, SchedulerSemantics
 
@@ -103,8 +104,8 @@ ENGINES: dict[str, tuple[Check, ...]] = {
     "prefixflight": (
         Check("engine", "prefixflight.core.flight._pages:PagePool", f"{_A}:PagePoolAdapter",
               "pool_cls"),
-        Check("s3fifo", "prefixflight.core:S3FIFO"),
-        Check("lru", "prefixflight.core:LRU"),
+        # every core policy, under the machine of its name
+        *(Check(name, f"prefixflight.core:{cls.__name__}") for name, cls in POLICIES.items()),
         Check("scheduler", "prefixflight.core:Scheduler", f"{_A}:PrefixflightSchedulerAdapter",
               "scheduler_cls"),
         Check("index", "prefixflight.serve.kv_events:ReplicaBlockIndex",

@@ -557,8 +557,7 @@ class BurstRouterConformance(RuleBasedStateMachine):
 
     @invariant()
     def views_agree(self) -> None:
-        if self.impl is None or self.model is None:
-            return
+        assert self.impl is not None and self.model is not None  # invariants run after `start`
         assert self.impl.pending == self.model.pending
         assert self.impl.deadline == self.model.deadline
         assert self.impl.wake_at == self.model.wake_at

@@ -34,12 +34,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from prefixflight.core import (
-    LRU,
-    S3FIFO,
     BlockHash,
     BlockHasher,
     FinishReason,
-    FlightConfig,
     FlightCoordinator,
     PrefixCache,
     PublishMode,
@@ -51,6 +48,7 @@ from prefixflight.core import (
     StepResult,
     UsageError,
 )
+from prefixflight.core.cache import POLICIES, make_policy
 from prefixflight.core.flight import Placement, RequestState
 
 from ._backend import FakeBackend
@@ -114,7 +112,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_running=st.integers(1, 3),
         extra_tokens=st.integers(0, 4),
         publish=st.sampled_from(PublishMode),
-        policy=st.sampled_from(["lru", "s3fifo"]),
+        policy=st.sampled_from(sorted(POLICIES)),
         capacity_cut=st.integers(0, 3),
         sharing=st.booleans(),
         flight=st.sampled_from(ReleasePolicy),
@@ -143,13 +141,16 @@ class SchedulerMachine(RuleBasedStateMachine):
             same_step_sharing=sharing,
         )
         capacity = max(num_pages - capacity_cut, 0)
-        pol = LRU(capacity) if policy == "lru" else S3FIFO(capacity)
-        self.cache = PrefixCache(pol, _BLOCK)
-        self.coordinator = FlightCoordinator(
-            FlightConfig(
-                policy=flight, max_wait=max_wait, min_shared_blocks=min_shared, block_size=_BLOCK
-            )
+        pol = make_policy(policy, capacity)
+        # the parts Scheduler.build makes, handed to the factory before any call
+        parts = Scheduler.build(
+            config,
+            eviction=pol,
+            release=flight,
+            max_wait=max_wait,
+            min_shared_blocks=min_shared,
         )
+        self.cache, self.coordinator = parts.cache, parts.coordinator
         note(f"{config!r}, {pol!r}, {self.coordinator.config!r}")
         self.sched = type(self).factory(config, self.cache, self.coordinator)
         self.backend = FakeBackend(num_pages, _BLOCK, _sampler)

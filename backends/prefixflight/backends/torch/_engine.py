@@ -23,18 +23,14 @@ import enum
 import itertools
 import logging
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, final
+from typing import TYPE_CHECKING, Any, final
 
 import attrs
 
 from prefixflight.core import (
-    LRU,
-    S3FIFO,
     ConfigError,
-    FlightConfig,
-    FlightCoordinator,
-    PrefixCache,
     PrefixflightError,
     PublishMode,
     ReleasePolicy,
@@ -47,9 +43,9 @@ from prefixflight.core import (
     StepResult,
     UsageError,
 )
-from prefixflight.core._validate import check_int, instance_field, int_field, optional_int_field
-from prefixflight.core.cache import EventSink
+from prefixflight.core.cache import POLICIES, EventSink, make_policy
 from prefixflight.core.flight._pages import pages_for
+from prefixflight.core.validate import check_int, instance_field, int_field, optional_int_field
 
 from ._runner import TransformersRunner
 from ._sampling import SamplingParams
@@ -69,8 +65,9 @@ class StepFailedError(PrefixflightError):
 
 
 def _check_eviction(_i: object, _a: object, value: object) -> None:
-    if value not in ("lru", "s3fifo"):
-        raise ConfigError(f"eviction must be 'lru' or 's3fifo', got {value!r}")
+    if not isinstance(value, str) or value not in POLICIES:
+        names = " or ".join(repr(n) for n in sorted(POLICIES))
+        raise ConfigError(f"eviction must be {names}, got {value!r}")
 
 
 def _check_max_wait(_i: object, _a: object, value: Any) -> None:
@@ -78,6 +75,9 @@ def _check_max_wait(_i: object, _a: object, value: Any) -> None:
         isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0
     ):
         raise ConfigError(f"max_wait must be None or a number of seconds >= 0, got {value!r}")
+
+
+_PAGE_SIZE_DEPRECATED = "EngineConfig's page_size is now block_size; page_size will be removed"
 
 
 @attrs.frozen(kw_only=True)
@@ -89,10 +89,12 @@ class EngineConfig:
     - ``incremental_publication``: publish each request's completed pages after every step
       (True) or only when it finishes (False: the baseline of the single-flight prefill study
       of mini-vllm-rs).
-    - ``num_pages`` / ``page_size``: the KV pool (`AsyncEngine.from_model` allocates it).
+    - ``num_pages`` / ``block_size``: the KV pool (`AsyncEngine.from_model` allocates it), in
+      pages of ``block_size`` tokens. ``page_size`` is the deprecated name of ``block_size``.
     - ``max_batch_tokens``: tokens per step (prefill chunks + one per decode);
       ``max_running``: running requests at most (the decode batch).
-    - ``eviction``: the prefix cache's policy, ``"lru"`` or ``"s3fifo"``.
+    - ``eviction``: the prefix cache's policy, a name of `prefixflight.core.cache.POLICIES`
+      (``"lru"``, ``"s3fifo"``).
     - ``max_wait``: seconds a follower waits for its leader before computing on its own.
     - ``min_shared_blocks``: also coordinate requests that share at least this many leading
       blocks with an open flight (partial-prefix mode); ``None`` (default): identical
@@ -104,12 +106,30 @@ class EngineConfig:
     )
     incremental_publication: bool = True
     num_pages: int = attrs.field(default=1024, validator=int_field(1))
-    page_size: int = attrs.field(default=16, validator=int_field(1))
+    block_size: int = attrs.field(default=16, validator=int_field(1))
     max_batch_tokens: int = attrs.field(default=1024, validator=int_field(1))
     max_running: int = attrs.field(default=16, validator=int_field(1))
     eviction: str = attrs.field(default="lru", validator=_check_eviction)
     max_wait: float | None = attrs.field(default=None, validator=_check_max_wait)
     min_shared_blocks: int | None = attrs.field(default=None, validator=optional_int_field(1))
+
+    if not TYPE_CHECKING:  # type checkers see the attrs __init__, without the old name
+
+        def __init__(self, *, page_size=None, **kwargs):
+            if page_size is not None:
+                warnings.warn(_PAGE_SIZE_DEPRECATED, DeprecationWarning, stacklevel=2)
+                if "block_size" in kwargs:
+                    raise ConfigError(
+                        f"give block_size only, not also page_size (got {page_size!r})"
+                    )
+                kwargs["block_size"] = page_size
+            self.__attrs_init__(**kwargs)
+
+    @property
+    def page_size(self) -> int:
+        """Deprecated: `block_size`."""
+        warnings.warn(_PAGE_SIZE_DEPRECATED, DeprecationWarning, stacklevel=2)
+        return self.block_size
 
     def __attrs_post_init__(self) -> None:
         if self.max_batch_tokens < self.max_running:
@@ -132,28 +152,24 @@ class EngineConfig:
         ``vocab_size``: the scheduler rejects token ids outside the model's vocabulary.
         """
         pages = self.num_pages if num_pages is None else num_pages
-        policy = LRU(pages) if self.eviction == "lru" else S3FIFO(pages)
+        policy = make_policy(self.eviction, pages)
         publish = (
             PublishMode.PER_STEP if self.incremental_publication else PublishMode.ON_COMPLETION
         )
-        return Scheduler(
+        return Scheduler.build(
             SchedulerConfig(
                 num_pages=pages,
-                block_size=self.page_size,
+                block_size=self.block_size,
                 max_batch_tokens=self.max_batch_tokens,
                 max_running=self.max_running,
                 publish=publish,
                 vocab_size=vocab_size,
             ),
-            cache=PrefixCache(policy, self.page_size, event_sink=event_sink),
-            coordinator=FlightCoordinator(
-                FlightConfig(
-                    policy=self.release_policy,
-                    max_wait=self.max_wait,
-                    block_size=self.page_size,
-                    min_shared_blocks=self.min_shared_blocks,
-                )
-            ),
+            eviction=policy,
+            release=self.release_policy,
+            max_wait=self.max_wait,
+            min_shared_blocks=self.min_shared_blocks,
+            event_sink=event_sink,
         )
 
 
@@ -334,9 +350,9 @@ class AsyncEngine:
     ) -> None:
         config = EngineConfig() if config is None else config
         pool = runner.pool
-        if config.page_size != pool.page_size:
+        if config.block_size != pool.page_size:
             raise ConfigError(
-                f"config page_size {config.page_size} != the runner's pool page_size "
+                f"config block_size {config.block_size} != the runner's pool page_size "
                 f"{pool.page_size}"
             )
         if config.num_pages > pool.num_pages:
@@ -384,7 +400,7 @@ class AsyncEngine:
         runner = TransformersRunner.for_model(
             model,
             num_pages=config.num_pages,
-            page_size=config.page_size,
+            page_size=config.block_size,
             device=device,
             dtype=dtype,
         )
@@ -574,7 +590,7 @@ class AsyncEngine:
                 f"{sampling.max_tokens} max_tokens)"
             )
         cfg = self.config
-        need = pages_for(len(ids), sampling.max_tokens, cfg.page_size)
+        need = pages_for(len(ids), sampling.max_tokens, cfg.block_size)
         if need > cfg.num_pages:
             raise UsageError(
                 f"the request needs {need} pages ({len(ids)} prompt + {sampling.max_tokens} "

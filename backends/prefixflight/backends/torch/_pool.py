@@ -21,7 +21,7 @@ from typing import Any, final
 import torch
 
 from prefixflight.core import CapacityError, UsageError
-from prefixflight.core._validate import check_int
+from prefixflight.core.validate import check_int
 
 from ._device import resolve_device, resolve_dtype
 

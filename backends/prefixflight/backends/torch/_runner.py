@@ -37,7 +37,7 @@ from prefixflight.core import (
     StepResult,
     UsageError,
 )
-from prefixflight.core._validate import check_int
+from prefixflight.core.validate import check_int
 
 from ._fused import FusedForward, unsupported
 from ._paged import STEP_KWARG, PagedStep, register_paged_attention

@@ -27,7 +27,8 @@ if typing.TYPE_CHECKING:
     from ._curves import CurvePoint, LRUCurve, auto_capacities, lru_curve
     from ._hashing import BlockHash, BlockHasher, HashAlgorithm
     from ._policies import LRU, S3FIFO, EvictionPolicy
-    from ._replay import PolicyName, ReplayConfig, ReplayReport, RequestResult, replay
+    from ._registry import POLICIES, PolicyName, make_policy
+    from ._replay import ReplayConfig, ReplayReport, RequestResult, replay
     from ._trace import TraceReader, TraceRecord, parse_trace_line
 
 # name -> the module that defines it (imported on first use of one of its names)
@@ -50,7 +51,9 @@ _LAZY = {
     "LRU": "_policies",
     "S3FIFO": "_policies",
     "EvictionPolicy": "_policies",
-    "PolicyName": "_replay",
+    "POLICIES": "_registry",
+    "PolicyName": "_registry",
+    "make_policy": "_registry",
     "ReplayConfig": "_replay",
     "ReplayReport": "_replay",
     "RequestResult": "_replay",
@@ -65,6 +68,7 @@ __getattr__, __dir__ = _lazy_attributes(globals(), _LAZY)
 
 __all__ = [
     "LRU",
+    "POLICIES",
     "S3FIFO",
     "AllBlocksCleared",
     "BlockHash",
@@ -88,6 +92,7 @@ __all__ = [
     "auto_capacities",
     "compiled",
     "lru_curve",
+    "make_policy",
     "parse_trace_line",
     "replay",
 ]

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, TypeAlias, final
 import attrs
 
 from .._errors import CapacityError, UsageError
-from .._validate import CheckedInt, check_int
+from ..validate import CheckedInt, check_int
 from ._policies import EvictionPolicy
 
 if TYPE_CHECKING:

@@ -32,7 +32,7 @@ from typing import Any, final
 import attrs
 
 from .._errors import ConfigError, UsageError
-from .._validate import CheckedInt, check_int
+from ..validate import CheckedInt, check_int
 from ._hashing import BlockHash
 from ._trace import TraceRecord
 

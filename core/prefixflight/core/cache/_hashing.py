@@ -18,7 +18,7 @@ from typing import Final, Literal, TypeAlias, final
 
 import attrs
 
-from .._validate import check_choice, check_instance, check_int, is_int
+from ..validate import check_choice, check_instance, check_int, is_int
 from ._chain import chain_crc, chain_sha256
 
 __all__ = ["BlockHash", "BlockHasher", "HashAlgorithm"]

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Container, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Protocol, final
+from typing import TYPE_CHECKING, ClassVar, Protocol, final
 
 from .._errors import CapacityError, UsageError
-from .._validate import CheckedFloat, CheckedInt, check_int, check_ratio
+from ..validate import CheckedFloat, CheckedInt, check_int, check_ratio
 
 if TYPE_CHECKING:
     from ._hashing import BlockHash
@@ -194,6 +194,9 @@ class S3FIFO(_Residency):
     (its freq is decremented if positive). A ghost hit that finds ``M`` full of pinned blocks
     is admitted to ``S`` as a new block instead.
     """
+
+    SETTINGS: ClassVar[tuple[str, ...]] = ("small_ratio", "max_freq", "ghost_admit_freq")
+    """Its keyword settings beyond ``capacity`` (`make_policy` passes these on)."""
 
     __slots__ = (
         "_capacity",
@@ -593,6 +596,9 @@ class LRU(_Residency):
     Pinning: a pinned block that reaches the LRU end is moved to the MRU end (it is in use)
     and the next one is considered.
     """
+
+    SETTINGS: ClassVar[tuple[str, ...]] = ()
+    """Its keyword settings beyond ``capacity``: none."""
 
     __slots__ = ("_capacity", "_order")
 

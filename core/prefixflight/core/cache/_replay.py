@@ -5,31 +5,22 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal, TypeAlias, final
+from typing import TYPE_CHECKING, Any, final
 
 import attrs
 
 from .._errors import ConfigError
-from .._validate import check_int, check_ratio
+from ..validate import check_int, check_ratio
 from ._cache import EventSink, PrefixCache
-from ._policies import LRU, S3FIFO, EvictionPolicy
+from ._policies import EvictionPolicy
+from ._registry import PolicyName, make_policy, policy_name
 from ._trace import TraceReader, TraceRecord
 
 if TYPE_CHECKING:
     from ._hashing import BlockHash
 
-__all__ = ["PolicyName", "ReplayConfig", "ReplayReport", "RequestResult", "replay"]
+__all__ = ["ReplayConfig", "ReplayReport", "RequestResult", "replay"]
 
-PolicyName: TypeAlias = Literal["s3fifo", "lru"]
-
-
-def _policy_name(value: object) -> PolicyName:
-    name = value.lower() if isinstance(value, str) else value
-    if name == "s3fifo":
-        return "s3fifo"
-    if name == "lru":
-        return "lru"
-    raise ConfigError(f"policy must be 's3fifo' or 'lru' (any case), got {value!r}")
 
 
 @final
@@ -37,7 +28,7 @@ def _policy_name(value: object) -> PolicyName:
 class ReplayConfig:
     """What a replay needs; validated on construction."""
 
-    policy: PolicyName = attrs.field(default="s3fifo", converter=_policy_name)
+    policy: PolicyName = attrs.field(default="s3fifo", converter=policy_name)
     cache_capacity_blocks: int
     block_size: int = 512
     small_ratio: float = 0.1
@@ -64,9 +55,8 @@ class ReplayConfig:
         return cls(**merged)
 
     def make_policy(self) -> EvictionPolicy:
-        if self.policy == "lru":
-            return LRU(self.cache_capacity_blocks)
-        return S3FIFO(
+        return make_policy(
+            self.policy,
             self.cache_capacity_blocks,
             small_ratio=self.small_ratio,
             max_freq=self.max_freq,

@@ -16,7 +16,7 @@ from typing import Any, TypeAlias, cast, final
 import attrs
 
 from .._errors import TraceFormatError
-from .._validate import is_int, is_real
+from ..validate import is_int, is_real
 
 __all__ = ["TraceReader", "TraceRecord", "parse_trace_line"]
 

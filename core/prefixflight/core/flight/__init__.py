@@ -25,20 +25,9 @@ from ._coordinator import (
     Wait,
 )
 from ._plan import DecodeWork, PrefillWork, RequestId, StepPlan, StepResult
-from ._scheduler import (
-    FinishReason,
-    PageUsage,
-    PublishMode,
-    RequestReport,
-    RequestState,
-    Role,
-    Scheduler,
-    SchedulerCall,
-    SchedulerConfig,
-    SchedulerStats,
-    StepOutcome,
-    StepPhase,
-)
+from ._sched_reports import PageUsage, RequestReport, SchedulerStats, StepOutcome
+from ._sched_states import FinishReason, PublishMode, RequestState, Role, SchedulerCall, StepPhase
+from ._scheduler import Scheduler, SchedulerConfig
 
 __all__ = [
     "Aborted",

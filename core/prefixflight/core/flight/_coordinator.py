@@ -29,7 +29,8 @@ from typing import ClassVar, Final, TypeAlias, final
 import attrs
 
 from .._errors import ConfigError, UsageError
-from .._validate import (
+from ..cache._hashing import BlockHash
+from ..validate import (
     assert_never,
     check_block_hashes,
     check_instance,
@@ -40,7 +41,6 @@ from .._validate import (
     request_id_field,
     time_field,
 )
-from ..cache._hashing import BlockHash
 from ._plan import RequestId
 
 __all__ = [
@@ -398,6 +398,7 @@ class FlightCoordinator:
         "_leading",
         "_next_id",
         "_now",
+        "_places",
         "_prefix_index",
         "_released",
         "_seq",
@@ -415,6 +416,13 @@ class FlightCoordinator:
         # released / independent ids until they terminate (dicts: deterministic order)
         self._released: dict[RequestId, None] = {}
         self._independent: dict[RequestId, None] = {}
+        # the one place a request's placement is read from: each place and its members
+        self._places: tuple[tuple[Placement, Mapping[RequestId, object]], ...] = (
+            (Placement.LEADING, self._leading),
+            (Placement.WAITING, self._waiting),
+            (Placement.RELEASED, self._released),
+            (Placement.INDEPENDENT, self._independent),
+        )
         # partial-prefix coordination: block hash -> open flights whose leader's prompt has
         # that block at depth >= min_shared_blocks - 1, oldest first. Hashes are chained
         # (`BlockHasher`), so a hash also fixes its depth and the whole prefix before it.
@@ -442,28 +450,14 @@ class FlightCoordinator:
 
     def placement(self, request_id: RequestId) -> Placement | None:
         """Where ``request_id`` is, or ``None`` if unknown (never seen, or terminated)."""
-        if request_id in self._leading:
-            return Placement.LEADING
-        if request_id in self._waiting:
-            return Placement.WAITING
-        if request_id in self._released:
-            return Placement.RELEASED
-        if request_id in self._independent:
-            return Placement.INDEPENDENT
+        for place, members in self._places:
+            if request_id in members:
+                return place
         return None
 
     def placements(self) -> dict[RequestId, Placement]:
         """A copy: every known request id and its place."""
-        out: dict[RequestId, Placement] = {}
-        for r in self._leading:
-            out[r] = Placement.LEADING
-        for r in self._waiting:
-            out[r] = Placement.WAITING
-        for r in self._released:
-            out[r] = Placement.RELEASED
-        for r in self._independent:
-            out[r] = Placement.INDEPENDENT
-        return out
+        return {r: place for place, members in self._places for r in members}
 
     def flights(self) -> dict[int, tuple[RequestId | None, tuple[RequestId, ...]]]:
         """A copy: open flight id -> (leader, waiting members in arrival order, oldest
@@ -500,18 +494,7 @@ class FlightCoordinator:
             now = check_time("now", now, after=self._now)  # converts or raises
         if not isinstance(event, Tick):
             rid = event.request_id
-            # `placement`, inlined: this is every event's hot path
-            place = (
-                _LEADING
-                if rid in self._leading
-                else _WAITING
-                if rid in self._waiting
-                else _RELEASED
-                if rid in self._released
-                else _INDEPENDENT
-                if rid in self._independent
-                else None
-            )
+            place = self.placement(rid)
             if type(event) not in TRANSITIONS[place]:
                 raise self._illegal(rid, place, event)
         out: list[FlightDecision] = []
@@ -529,9 +512,9 @@ class FlightCoordinator:
                 if flight is not None:
                     self._prefill_done(flight, now, out)
             case Finished():
-                self._terminate(event.request_id, now, out, aborted=False)
+                self._finish(event.request_id, now, out)
             case Aborted():
-                self._terminate(event.request_id, now, out, aborted=True)
+                self._abort(event.request_id, now, out)
             case Tick():
                 pass
             case _:
@@ -621,30 +604,39 @@ class FlightCoordinator:
         if self._config.policy is ReleasePolicy.AFTER_PREFILL:
             self._close(flight, now, out, ReleaseReason.PREFILL_PUBLISHED)
 
-    def _terminate(
-        self, rid: RequestId, now: float, out: list[FlightDecision], *, aborted: bool
-    ) -> None:
+    def _finish(self, rid: RequestId, now: float, out: list[FlightDecision]) -> None:
+        """A finished leader's blocks are all published: its flight releases everyone."""
         flight = self._leading.pop(rid, None)
-        if flight is not None:
-            flight.leader = None
-            if aborted and not flight.done and flight.followers:
-                new = next(iter(flight.followers))
-                self._note_wait(flight.followers.pop(new).arrived, now)
-                del self._waiting[new]
-                flight.leader = new
-                self._leading[new] = flight
-                self._stats.promotions += 1
-                out.append(Promote(flight=flight.id, request_id=new))
-                return
-            if aborted:
-                reason = ReleaseReason.LEADER_ABORTED
-                self._release_partial(flight, now, out, reason, all_=True)
-            else:
-                reason = ReleaseReason.LEADER_FINISHED
-                flight.done = True
-                self._release_partial(flight, now, out, ReleaseReason.BLOCKS_PUBLISHED, all_=True)
-            self._close(flight, now, out, reason)
+        if flight is None:
+            self._forget(rid)
             return
+        flight.leader = None
+        flight.done = True
+        self._release_partial(flight, now, out, ReleaseReason.BLOCKS_PUBLISHED, all_=True)
+        self._close(flight, now, out, ReleaseReason.LEADER_FINISHED)
+
+    def _abort(self, rid: RequestId, now: float, out: list[FlightDecision]) -> None:
+        """An aborted leader before its prefill is done hands its flight to the oldest exact
+        follower; otherwise the flight's members compute alone."""
+        flight = self._leading.pop(rid, None)
+        if flight is None:
+            self._forget(rid)
+            return
+        flight.leader = None
+        if not flight.done and flight.followers:
+            new = next(iter(flight.followers))
+            self._note_wait(flight.followers.pop(new).arrived, now)
+            del self._waiting[new]
+            flight.leader = new
+            self._leading[new] = flight
+            self._stats.promotions += 1
+            out.append(Promote(flight=flight.id, request_id=new))
+            return
+        self._release_partial(flight, now, out, ReleaseReason.LEADER_ABORTED, all_=True)
+        self._close(flight, now, out, ReleaseReason.LEADER_ABORTED)
+
+    def _forget(self, rid: RequestId) -> None:
+        """A request that leads no flight ends: it leaves the flight it waits in, if any."""
         flight = self._waiting.pop(rid, None)
         if flight is not None:
             if flight.followers.pop(rid, None) is None:

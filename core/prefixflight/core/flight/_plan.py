@@ -18,17 +18,15 @@ step is used by no other request of that step.
 
 from __future__ import annotations
 
-from typing import Any, TypeAlias, cast, final
+from typing import Any, cast, final
 
 import attrs
 
 from .._errors import UsageError
-from .._validate import check_instance, check_request_id, check_token_ids, int_field
+from .._ids import RequestId
+from ..validate import check_instance, check_request_id, check_token_ids, int_field
 
 __all__ = ["DecodeWork", "PrefillWork", "RequestId", "StepPlan", "StepResult"]
-
-RequestId: TypeAlias = int | str
-"""Request ids are the host's; the core never invents them."""
 
 
 @final

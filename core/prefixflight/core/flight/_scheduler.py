@@ -29,20 +29,23 @@ and is never written into a shared page. Which pages, pins and chain-aware evict
 
 Every request's state is one explicit `RequestState`; which calls each state accepts, and
 where they lead, is one literal table, `TRANSITIONS` (and `STEP_TRANSITIONS` for the step
-in flight), checked before any call changes anything.
+in flight), checked before any call changes anything. The states and tables are in
+``_sched_states.py``, the report rows in ``_sched_reports.py``; this module is the class.
 """
 
 from __future__ import annotations
 
-import enum
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from typing import ClassVar, Final, final
+from typing import ClassVar, final
 
 import attrs
 
 from .._errors import ConfigError, UsageError
-from .._validate import (
+from ..cache._cache import EventSink, PrefixCache
+from ..cache._hashing import BlockHash, BlockHasher
+from ..cache._policies import LRU, EvictionPolicy
+from ..validate import (
     assert_never,
     check_instance,
     check_int,
@@ -53,9 +56,6 @@ from .._validate import (
     int_field,
     optional_int_field,
 )
-from ..cache._cache import PrefixCache
-from ..cache._hashing import BlockHash, BlockHasher
-from ..cache._policies import LRU
 from ._coordinator import (
     Aborted,
     Arrived,
@@ -76,167 +76,30 @@ from ._coordinator import (
 )
 from ._pages import PagePool, pages_for
 from ._plan import DecodeWork, PrefillWork, RequestId, StepPlan, StepResult
-
-__all__ = [
-    "STEP_TRANSITIONS",
-    "TRANSITIONS",
-    "FinishReason",
-    "PageUsage",
-    "PublishMode",
-    "RequestReport",
-    "RequestState",
-    "Role",
-    "Scheduler",
-    "SchedulerCall",
-    "SchedulerConfig",
-    "SchedulerStats",
-    "StepOutcome",
-    "StepPhase",
-]
-
-
-class PublishMode(enum.Enum):
-    """When a request's computed full blocks become reusable by others."""
-
-    PER_STEP = "per_step"
-    """Every full block as soon as it is computed (incremental publication): with same-step
-    sharing a prefill's blocks when the step that computes them is planned, otherwise after
-    that step; a decode's after its step."""
-    ON_COMPLETION = "on_completion"
-    """When the request ends (the baseline). A flight leader still publishes its prompt
-    blocks when its prefill completes (or, with same-step sharing, when its last chunk is
-    planned): that is what releasing its followers means."""
-
-
-class Role(enum.Enum):
-    """A request's part in single-flight coordination, as its `RequestReport` tells it."""
-
-    LEADER = "leader"
-    """It computed a prompt that at least one other request waited for in its flight (a
-    follower that arrived while it led, or one still waiting when it was promoted)."""
-    FOLLOWER = "follower"
-    """It waited in a flight for another request's prompt (then reused it, or was released
-    by a timeout, or promoted: a promoted follower that nobody waited for stays a follower
-    of the flight it joined)."""
-    INDEPENDENT = "independent"
-    """Nobody waited for it and it waited for nobody. This includes a request the
-    coordinator made a flight leader (`Lead`) that no follower ever joined: `Lead` is the
-    decision at arrival (a follower may still come), the role is what happened."""
-
-
-class RequestState(enum.Enum):
-    """Where a request is in the scheduler: exactly one of these (see `TRANSITIONS`)."""
-
-    WAITING = "waiting"
-    """A follower waiting in a flight (holds no pages)."""
-    QUEUED = "queued"
-    """Waiting for admission (holds no pages)."""
-    RUNNING = "running"
-    """Admitted: holds its page table; prefilling or decoding."""
-    ABORTING = "aborting"
-    """Aborted while the outstanding step includes it: its report is out, but the backend
-    may still be writing its pages, so it holds them (and its id) until that step completes
-    or fails."""
-
-
-class SchedulerCall(enum.Enum):
-    """The calls that move requests: the columns of `TRANSITIONS` and `STEP_TRANSITIONS`."""
-
-    ADD_REQUEST = "add_request"
-    ABORT = "abort"
-    SCHEDULE = "schedule"
-    COMPLETE_STEP = "complete_step"
-    FAIL_STEP = "fail_step"
-
-
-class StepPhase(enum.Enum):
-    """Whether a step is in flight (`Scheduler.phase`)."""
-
-    IDLE = "idle"
-    """No step is outstanding: `Scheduler.schedule` may hand out the next plan."""
-    OUTSTANDING = "outstanding"
-    """A plan is out: `Scheduler.complete_step` (its result) or `Scheduler.fail_step` (no
-    result will come) closes it."""
-
-
-_WAITING, _QUEUED = RequestState.WAITING, RequestState.QUEUED
-_RUNNING, _ABORTING = RequestState.RUNNING, RequestState.ABORTING
-_ADD, _ABORT = SchedulerCall.ADD_REQUEST, SchedulerCall.ABORT
-_SCHEDULE, _COMPLETE, _FAIL = (
-    SchedulerCall.SCHEDULE,
-    SchedulerCall.COMPLETE_STEP,
-    SchedulerCall.FAIL_STEP,
+from ._sched_reports import PageUsage, RequestReport, SchedulerStats, StepOutcome
+from ._sched_states import (
+    _ABORT,
+    _ABORTING,
+    _ADD,
+    _COMPLETE,
+    _FAIL,
+    _IDLE,
+    _OUTSTANDING,
+    _QUEUED,
+    _RUNNING,
+    _SCHEDULE,
+    _WAITING,
+    STEP_TRANSITIONS,
+    TRANSITIONS,
+    FinishReason,
+    PublishMode,
+    RequestState,
+    Role,
+    SchedulerCall,
+    StepPhase,
 )
-_IDLE, _OUTSTANDING = StepPhase.IDLE, StepPhase.OUTSTANDING
 
-TRANSITIONS: Final[
-    Mapping[RequestState | None, Mapping[SchedulerCall, frozenset[RequestState | None]]]
-] = {
-    # state of a request -> {call: where that request may be afterwards} (None: unknown,
-    # never seen or ended). add_request and abort name a request: a pair not listed is
-    # rejected with `UsageError` before anything changes. schedule, complete_step and
-    # fail_step name none (`STEP_TRANSITIONS` says when they are legal): the row says where
-    # every request in that state may go.
-    None: {
-        _ADD: frozenset({_QUEUED, _WAITING}),  # WAITING: it follows an open flight
-        _SCHEDULE: frozenset({None}),  # a step call never brings a request in
-        _COMPLETE: frozenset({None}),
-        _FAIL: frozenset({None}),
-    },
-    _WAITING: {
-        _ABORT: frozenset({None}),
-        # released (its leader's last chunk is planned, or it waited max_wait), then
-        # admitted in that same step when pages and budget allow
-        _SCHEDULE: frozenset({_WAITING, _QUEUED, _RUNNING}),
-        _COMPLETE: frozenset({_WAITING, _QUEUED}),  # its leader finished (or its prefill did)
-        _FAIL: frozenset({_WAITING, _QUEUED}),  # its leader failed with the step
-    },
-    _QUEUED: {
-        _ABORT: frozenset({None}),
-        _SCHEDULE: frozenset({_QUEUED, _RUNNING}),  # admitted, or still waiting for pages
-        _COMPLETE: frozenset({_QUEUED}),
-        _FAIL: frozenset({_QUEUED}),
-    },
-    _RUNNING: {
-        _ABORT: frozenset({None, _ABORTING}),  # ABORTING if the outstanding step includes it
-        _SCHEDULE: frozenset({_RUNNING}),
-        _COMPLETE: frozenset({_RUNNING, None}),  # None: it sampled a stop token or its last
-        _FAIL: frozenset({_RUNNING, None}),  # None: the failed step included it (aborted)
-    },
-    _ABORTING: {
-        _COMPLETE: frozenset({None}),  # its pages come back with the step
-        _FAIL: frozenset({None}),
-    },
-}
-"""The legal (request state x call) pairs of `Scheduler`, and the states each leads to.
-
-One more move happens outside the named request's row: a request ``WAITING`` in a flight
-becomes ``QUEUED`` whenever the `FlightCoordinator` releases or promotes it (its leader
-aborted, or it waited ``max_wait``), which any call that carries a time can trigger."""
-
-STEP_TRANSITIONS: Final[Mapping[StepPhase, Mapping[SchedulerCall, frozenset[StepPhase]]]] = {
-    # phase -> {legal call: the phase afterwards}; a call not listed raises `UsageError`
-    _IDLE: {
-        _ADD: frozenset({_IDLE}),
-        _ABORT: frozenset({_IDLE}),
-        _SCHEDULE: frozenset({_IDLE, _OUTSTANDING}),  # an empty plan is not outstanding
-    },
-    _OUTSTANDING: {
-        _ADD: frozenset({_OUTSTANDING}),
-        _ABORT: frozenset({_OUTSTANDING}),
-        _COMPLETE: frozenset({_IDLE}),
-        _FAIL: frozenset({_IDLE}),
-    },
-}
-"""The legal (step phase x call) pairs of `Scheduler`: one plan at a time."""
-
-
-class FinishReason(enum.Enum):
-    LENGTH = "length"
-    """``max_new_tokens`` were sampled."""
-    STOP = "stop"
-    """A stop token was sampled (it is the last output token)."""
-    ABORTED = "aborted"
+__all__ = ["Scheduler", "SchedulerConfig"]
 
 
 @final
@@ -267,114 +130,6 @@ class SchedulerConfig:
 
     def __attrs_post_init__(self) -> None:
         check_int("max_batch_tokens", self.max_batch_tokens, minimum=self.max_running)
-
-
-@final
-@attrs.frozen(kw_only=True)
-class RequestReport:
-    """Per-request metrics, returned when a request finishes or is aborted.
-
-    Times are the host's ``now`` values (simulated or wall seconds); steps are plan numbers.
-    ``cached_tokens`` were reused from the cache; ``computed_prompt_tokens`` were computed
-    by this request (they add up to ``prompt_tokens`` once the prefill is done).
-    """
-
-    request_id: RequestId
-    role: Role
-    """What the request did in single flight (see `Role`: a leader nobody followed reports
-    `Role.INDEPENDENT`)."""
-    finish_reason: FinishReason
-    prompt_tokens: int
-    cached_tokens: int
-    computed_prompt_tokens: int
-    output_token_ids: tuple[int, ...]
-    arrived_at: float
-    flight_wait: float
-    """Time spent waiting in a flight (0 unless a follower)."""
-    admitted_at: float | None
-    first_token_at: float | None
-    first_token_step: int | None
-    finished_at: float
-    finished_step: int | None
-    """The step whose result ended the request (``None`` if aborted outside a step)."""
-
-    @property
-    def ttft(self) -> float | None:
-        """Time to first token, from arrival."""
-        return None if self.first_token_at is None else self.first_token_at - self.arrived_at
-
-    @property
-    def latency(self) -> float:
-        """Arrival to completion."""
-        return self.finished_at - self.arrived_at
-
-
-@final
-@attrs.frozen(kw_only=True)
-class StepOutcome:
-    """What `Scheduler.complete_step` did: the tokens it appended and the requests that ended."""
-
-    step: int
-    tokens: tuple[tuple[RequestId, int], ...]
-    finished: tuple[RequestReport, ...]
-
-
-@final
-@attrs.frozen(kw_only=True)
-class SchedulerStats:
-    """Counters since the scheduler was made."""
-
-    steps: int = 0
-    prefill_tokens: int = 0
-    """Prompt tokens computed (after reuse)."""
-    decode_tokens: int = 0
-    cached_tokens: int = 0
-    """Prompt tokens reused from the cache at admission."""
-    published_blocks: int = 0
-    duplicate_blocks: int = 0
-    """Blocks a request computed although another request had published them first."""
-    evicted_blocks: int = 0
-    orphans_evicted: int = 0
-    """Blocks removed because an ancestor was evicted (unreachable by any lookup)."""
-    admission_stalls: int = 0
-    """Steps in which the head of the queue could not get pages (backpressure)."""
-    finished: int = 0
-    aborted: int = 0
-    prefix_queries: int = 0
-    """Requests looked up in the prefix cache (one lookup per admitted request)."""
-    prefix_query_tokens: int = 0
-    """Prompt tokens of those lookups; ``cached_tokens`` of them were hits. Together they are
-    the engine's prefix-cache traffic (`PrefixCache.stats` counts only replayed requests)."""
-
-    @property
-    def prefix_hit_tokens(self) -> int:
-        """Prompt tokens served from the prefix cache at admission (``cached_tokens``)."""
-        return self.cached_tokens
-
-    @property
-    def prefix_hit_rate(self) -> float:
-        """``prefix_hit_tokens / prefix_query_tokens`` (0.0 before any lookup)."""
-        q = self.prefix_query_tokens
-        return self.cached_tokens / q if q else 0.0
-
-    def to_dict(self) -> dict[str, int]:
-        """Every counter by name (e.g. for metrics exporters)."""
-        return attrs.asdict(self)
-
-
-@final
-@attrs.frozen(kw_only=True)
-class PageUsage:
-    """Where the pool's pages are; ``free + cached + private == total`` always."""
-
-    total: int
-    free: int
-    cached: int
-    """Pages held by cached blocks (pinned or not)."""
-    pinned: int
-    """Cached blocks pinned by running requests (never evicted)."""
-    private: int
-    """Pages owned by running requests and not in the cache."""
 
 
 @attrs.define(eq=False, slots=True)
@@ -448,11 +203,14 @@ class _Draft:
 class Scheduler:
     """Continuous batching with chunked prefill, prefix reuse and single-flight coordination.
 
-    ``cache`` must be empty and use ``config.block_size``; it defaults to an LRU cache with
-    room for every page. ``coordinator`` defaults to one with `ReleasePolicy.INDEPENDENT`
-    (no coordination). The scheduler is sans-I/O: time is the host's ``now`` value passed to
-    every call, and it must never go backwards. A rejected call (see `TRANSITIONS` and
-    `STEP_TRANSITIONS`) raises `UsageError` and leaves the state unchanged.
+    `Scheduler.build` makes one with its own cache and coordinator, both on
+    ``config.block_size``. The constructor takes parts made elsewhere: ``cache`` must be empty
+    and use ``config.block_size``; it defaults to an LRU cache with room for every page.
+    ``coordinator`` must know no request and use ``config.block_size``; it defaults to one
+    with `ReleasePolicy.INDEPENDENT` (no coordination). The scheduler is sans-I/O: time is the
+    host's ``now`` value passed to every call, and it must never go backwards. A rejected
+    call (see `TRANSITIONS` and `STEP_TRANSITIONS`) raises `UsageError` and leaves the state
+    unchanged.
     """
 
     TRANSITIONS: ClassVar[
@@ -481,6 +239,38 @@ class Scheduler:
         "_running",
         "_stats",
     )
+
+    @classmethod
+    def build(
+        cls,
+        config: SchedulerConfig,
+        *,
+        eviction: EvictionPolicy | None = None,
+        release: ReleasePolicy = ReleasePolicy.INDEPENDENT,
+        max_wait: float | None = None,
+        min_shared_blocks: int | None = None,
+        event_sink: EventSink | None = None,
+    ) -> Scheduler:
+        """A scheduler with a fresh cache and coordinator, both on ``config.block_size``.
+
+        ``eviction``: the cache's policy (default: LRU with room for every page);
+        ``event_sink`` receives the cache's KV events. ``release``, ``max_wait`` and
+        ``min_shared_blocks`` are the coordinator's `FlightConfig`.
+        """
+        check_instance("config", config, SchedulerConfig)
+        policy = LRU(config.num_pages) if eviction is None else eviction
+        return cls(
+            config,
+            cache=PrefixCache(policy, config.block_size, event_sink=event_sink),
+            coordinator=FlightCoordinator(
+                FlightConfig(
+                    policy=release,
+                    max_wait=max_wait,
+                    min_shared_blocks=min_shared_blocks,
+                    block_size=config.block_size,
+                )
+            ),
+        )
 
     def __init__(
         self,

@@ -28,10 +28,10 @@ from typing import final
 import attrs
 
 from .._errors import UsageError
-from .._validate import assert_never, check_instance, check_int, check_number, check_time
+from .._ids import RequestId
 from ..cache._hashing import BlockHash
 from ..cache._policies import LRU
-from ..flight._plan import RequestId
+from ..validate import assert_never, check_instance, check_int, check_number, check_time
 from ._burst import BurstRouter, NoAffinity, Placed
 from ._protocol import (
     PrefixIndex,

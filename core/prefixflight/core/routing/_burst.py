@@ -64,9 +64,9 @@ from typing import Literal, TypeAlias, final
 import attrs
 
 from .._errors import ConfigError, UsageError
-from .._validate import check_choice, check_instance, check_int, check_time
+from .._ids import RequestId
 from ..cache._hashing import BlockHash, BlockHasher
-from ..flight._plan import RequestId
+from ..validate import check_choice, check_instance, check_int, check_time
 from ._protocol import PrefixIndex, ReplicaLoad, RouteRequest, check_replicas
 
 __all__ = [

@@ -14,7 +14,9 @@ from typing import Protocol, final, runtime_checkable
 import attrs
 
 from .._errors import UsageError
-from .._validate import (
+from .._ids import RequestId
+from ..cache._hashing import BlockHash
+from ..validate import (
     check_block_hashes,
     check_instance,
     check_int,
@@ -23,8 +25,6 @@ from .._validate import (
     int_field,
     request_id_field,
 )
-from ..cache._hashing import BlockHash
-from ..flight._plan import RequestId
 
 __all__ = [
     "PrefixIndex",

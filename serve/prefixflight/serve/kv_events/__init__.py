@@ -11,48 +11,32 @@ that ``ApproxPrefixRouter(index=...)`` reads.
 
 The package: ``_wire`` (the msgspec structs and codec, frames, topics, hashes; pure),
 ``_endpoints`` (vLLM's bind-or-connect rule), ``_publisher``, ``_subscriber`` (the sockets and
-threads) and ``_index`` (the block indexes and the seq bookkeeping; pure). docs/kv-events.md
-describes the wire, the endpoints and what the events reveal.
+threads) and ``_index`` (the block indexes and the seq bookkeeping; pure). The package exports
+what a user calls: the publisher, the subscriber and its index, topics, and the wire's event
+structs and codec for reading vLLM's events; frame parsing and hash encodings stay inside.
+docs/kv-events.md describes the wire, the endpoints and what the events reveal.
 """
 
-from ._endpoints import offset_endpoint
-from ._index import (
-    DEFAULT_MAX_BLOCKS,
-    ClusterBlockIndex,
-    IndexStats,
-    ReplicaBlockIndex,
-    ReplicaFeed,
-)
+from ._index import ClusterBlockIndex, IndexStats, ReplicaBlockIndex, ReplicaFeed
 from ._publisher import KVEventPublisher
 from ._subscriber import ErrorKind, KVEventSubscriber, PublisherAddress, ReplicaStatus
 from ._wire import (
-    END_SEQ,
-    HashEncoding,
     KVEventFormatError,
     WireAllBlocksCleared,
     WireBatch,
     WireBlockRemoved,
     WireBlockStored,
-    WireEncoding,
-    WireEvent,
-    WireHash,
     decode_batch,
     encode_batch,
     fold_hash,
     kv_topic,
-    parse_live_frames,
-    parse_replay_frames,
     parse_topic,
-    to_wire_hash,
     wire_events,
 )
 
 __all__ = [
-    "DEFAULT_MAX_BLOCKS",
-    "END_SEQ",
     "ClusterBlockIndex",
     "ErrorKind",
-    "HashEncoding",
     "IndexStats",
     "KVEventFormatError",
     "KVEventPublisher",
@@ -65,17 +49,10 @@ __all__ = [
     "WireBatch",
     "WireBlockRemoved",
     "WireBlockStored",
-    "WireEncoding",
-    "WireEvent",
-    "WireHash",
     "decode_batch",
     "encode_batch",
     "fold_hash",
     "kv_topic",
-    "offset_endpoint",
-    "parse_live_frames",
-    "parse_replay_frames",
     "parse_topic",
-    "to_wire_hash",
     "wire_events",
 ]

@@ -25,7 +25,7 @@ from typing import Final, final
 import attrs
 
 from prefixflight.core import BlockHash, BlockHasher, UsageError
-from prefixflight.core._validate import assert_never
+from prefixflight.core.validate import assert_never
 
 from ._wire import (
     WireAllBlocksCleared,

@@ -21,8 +21,8 @@ from typing import Final, Literal
 import zmq
 
 from prefixflight.core import ConfigError, UsageError
-from prefixflight.core._validate import check_int
 from prefixflight.core.cache import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from prefixflight.core.validate import check_int
 
 from ._endpoints import binds, offset_endpoint, resolved
 from ._wire import END_SEQ, HashEncoding, WireEncoding, _encode, _wire_events, kv_topic

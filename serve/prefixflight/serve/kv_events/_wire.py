@@ -31,8 +31,8 @@ from typing import Annotated, Any, Final, Literal, TypeAlias, cast, final
 import msgspec
 
 from prefixflight.core import BlockHash, UsageError
-from prefixflight.core._validate import assert_never
 from prefixflight.core.cache import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from prefixflight.core.validate import assert_never
 
 __all__ = [
     "END_SEQ",

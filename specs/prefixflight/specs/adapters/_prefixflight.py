@@ -20,9 +20,9 @@ from prefixflight.core import (
     StepPlan,
     StepResult,
 )
-from prefixflight.core._validate import assert_never
 from prefixflight.core.cache import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from prefixflight.core.flight._pages import PagePool, pages_for
+from prefixflight.core.validate import assert_never
 
 from .._adapter import KVChange, PoolView
 from .._declare import EngineSemantics, SchedulerSemantics, Unsupported

@@ -1,5 +1,7 @@
 """The one validation layer: every component checks its inputs with these, so one rule has
-one place (a time is finite everywhere, a token id is an int64 everywhere).
+one place (a time is finite everywhere, a token id is an int64 everywhere). It is public so
+that the simulations, specs, backends and servers, and an engine's own adapter, check their
+inputs by the same rules and raise the same errors.
 
 Plain checks (``check_*``) return the value or raise with the offending value named; the
 ``*_field`` factories wrap them as attrs validators for config and event classes.
