@@ -177,7 +177,7 @@ class ReferencePrefixEngine:
         if self.semantics.unit == "node":
             self._evict_nodes(pages)
             return
-        for _ in range(pages):  # (no policy declares "evict": prefixflight.vllm has none)
+        for _ in range(pages):
             if not self._evict_one():
                 return
 
