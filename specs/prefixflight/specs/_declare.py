@@ -131,7 +131,9 @@ class EngineSemantics:
 
     ``ops``: the optional operations the adapter supports: ``"evict"`` (free at least ``n``
     pages of unused cached blocks), ``"invalidate"`` (drop one block), ``"reset"`` (drop
-    everything while nothing runs).
+    everything while nothing runs), ``"stats"`` (``hit_stats()``: the prompt tokens the
+    engine reports as looked up and as hit, which must count every admitted request once
+    and a refused one not at all).
     """
 
     hit_cap: Literal["full", "n-1"] = attrs.field(default="full", validator=_one_of("full", "n-1"))
@@ -163,7 +165,9 @@ class EngineSemantics:
         default="observed", validator=_one_of("observed", "reported")
     )
     ops: frozenset[str] = attrs.field(
-        default=frozenset(), converter=_frozen, validator=_ops("evict", "invalidate", "reset")
+        default=frozenset(),
+        converter=_frozen,
+        validator=_ops("evict", "invalidate", "reset", "stats"),
     )
 
     def __attrs_post_init__(self) -> None:
