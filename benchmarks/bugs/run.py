@@ -2,7 +2,7 @@
 in its own cached venv, and compare ``prefixflight conform``'s exit status with the expected.
 
     python benchmarks/bugs/run.py [--case ID]... [--engine NAME]... [--set real|mutant]
-                                  [--peers-only] [--json FILE]
+                                  [--ci] [--json FILE]
 
 A release venv (``PREFIXFLIGHT_BUGS_CACHE``, default ``<repo>/.venv-bugs/PACKAGE-VERSION``)
 holds only the engine's wheel (``pip install --no-deps``, the wheel not kept) and the light
@@ -13,7 +13,8 @@ the rest, and another ``.pth`` imports ``_compat.py`` (an old SGLang against the
 newer transformers). This checkout's prefixflight comes first on ``PYTHONPATH``. A release
 the peers venv already has runs there; a ``source = "git"`` engine's release is a commit of
 this repository whose ``serve/`` root replaces this checkout's (``HEAD``: this checkout).
-``--peers-only`` runs only what needs no venv built or commit taken (CI's cases).
+``--ci`` runs only the cases that name a ``ci`` release, at that release (one per engine,
+at a release the peers venv has or one that builds in seconds).
 
 Per run it records the exit status, the seconds, and for a finding how many examples (and
 seconds) the machine took to hit it before shrinking; prints a table and the recall (real
@@ -76,12 +77,6 @@ class Releases:
     @property
     def peers_python(self) -> Path:
         return self.peers / "bin" / "python"
-
-    def needs_build(self, engine: str, release: str) -> bool:
-        spec = self.engines[engine]
-        if spec.get("source") == "git":
-            return release != "HEAD"
-        return bool(release != spec.get("peers"))
 
     def get(self, engine: str, release: str, log: Any) -> tuple[Path, list[Path]]:
         """(python, source roots) for ``engine`` at ``release``, building it if needed."""
@@ -212,13 +207,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--case", action="append", metavar="ID", help="only this case (repeatable)")
     ap.add_argument("--engine", action="append", metavar="NAME", help="only this engine's")
     ap.add_argument("--set", choices=("real", "mutant"), help="only this set")
-    ap.add_argument("--peers-only", action="store_true",
-                    help="only the runs at releases the peers venv has (nothing built)")
+    ap.add_argument("--ci", action="store_true",
+                    help="only the cases with a `ci` release, at that release (CI's runs)")
     ap.add_argument("--json", type=Path, metavar="FILE", help="write the results here")
     args = ap.parse_args(argv)
     data = load()
     cases = [c for c in data["case"]
-             if (not args.case or c["id"] in args.case)
+             if (not args.ci or "ci" in c)
+             and (not args.case or c["id"] in args.case)
              and (not args.engine or c["engine"] in args.engine)
              and (not args.set or c["set"] == args.set)]  # fmt: skip
     if args.case and len(cases) != len(set(args.case)):
@@ -236,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for case in cases:
         for release, expected in case["runs"].items():
-            if args.peers_only and releases.needs_build(case["engine"], release):
+            if args.ci and release != case["ci"]:
                 continue
             log(f"{case['id']} at {case['engine']} {release}")
             rows.append(run_one(case, release, expected, releases, log))
