@@ -14,6 +14,7 @@ from importlib import import_module
 from typing import Any
 
 import attrs
+from hypothesis import strategies as st
 
 from prefixflight.specs import PolicySemantics, Unsupported, isolated
 from prefixflight.specs.adapters import (
@@ -33,11 +34,12 @@ class VLLMInvalidateReusedFirst(VLLMAdapter):
 
 class VLLMPriorityScheduler(VLLMSchedulerAdapter):
     """vLLM's `Scheduler` under the priority policy with ``long_prefill_token_threshold=4``
-    (a long prompt is scheduled 4 tokens a step)."""
+    (a long prompt is scheduled 4 tokens a step), at block size 4 (the documented example's)."""
 
     semantics = attrs.evolve(
         VLLMSchedulerAdapter.semantics, policies={"priority"}, chunking="any"
     )
+    configs = st.just(4)
 
     def __init__(self, limits: Any) -> None:
         super().__init__(limits, long_prefill_token_threshold=4)

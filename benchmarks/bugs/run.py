@@ -18,7 +18,9 @@ at a release the peers venv has or one that builds in seconds).
 
 Per run it records the exit status, the seconds, and for a finding how many examples (and
 seconds) the machine took to hit it before shrinking; prints a table and the recall (real
-bugs whose every run matched what is expected); exits 1 when any run did not.
+bugs whose every run matched what is expected); exits 1 when any run did not. ``--json FILE``
+writes the runs and recall; with a selection (``--case`` and the like) of an existing file,
+its rows replace those cases' rows there.
 """
 
 from __future__ import annotations
@@ -229,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(f"run.py: {msg}", file=sys.stderr, flush=True)
 
+    order = {(c["id"], rel): i for i, (c, rel) in
+             enumerate((c, rel) for c in data["case"] for rel in c["runs"])}  # fmt: skip
     rows = []
     for case in cases:
         for release, expected in case["runs"].items():
@@ -248,10 +252,20 @@ def main(argv: list[str] | None = None) -> int:
               f"{s['all_runs_as_expected']} with every run as expected; missed: "
               f"{', '.join(s['missed']) or 'none'}")  # fmt: skip
     if args.json:
-        doc = {"command": "benchmarks/bugs/run.py " + " ".join(argv or sys.argv[1:]),
-               "cases": {c["id"]: {k: v for k, v in c.items() if k not in ("id",)}
-                         for c in cases},
-               "runs": rows, "recall": summary}  # fmt: skip
+        doc: dict[str, Any] = {"runs": []}
+        if args.json.exists() and (args.case or args.engine or args.set or args.ci):
+            doc = json.loads(args.json.read_text())  # a selection: merge into the file
+        chosen = {c["id"] for c in cases}
+        kept = [r for r in doc["runs"] if r["case"] not in chosen]
+        doc["runs"] = sorted([*kept, *rows], key=lambda r: order[(r["case"], r["release"])])
+        doc["cases"] = {c["id"]: {k: v for k, v in c.items() if k != "id"}
+                        for c in data["case"] if any(r["case"] == c["id"] for r in doc["runs"])}
+        doc["recall"] = recall(data["case"], doc["runs"])
+        if "command" in doc:
+            doc["commands"] = [doc.pop("command")]
+        doc.setdefault("commands", []).append(
+            "benchmarks/bugs/run.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        )  # fmt: skip
         args.json.write_text(json.dumps(doc, indent=2) + "\n")
     return 0 if all(r["ok"] for r in rows) else 1
 
