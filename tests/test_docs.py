@@ -87,9 +87,7 @@ def test_the_readme_serving_example_prints_what_it_shows() -> None:
     page = ROOT / "README.md"
     (example,) = [(code, out) for code, out in blocks(page) if SERVER in code]
     assert example[1] is not None, "the README's serving example lost its output"
-    spec = importlib.util.spec_from_file_location(
-        "serve_launch", ROOT / "benchmarks" / "serve_launch.py"
-    )
+    spec = importlib.util.spec_from_file_location("harness", ROOT / "benchmarks" / "harness.py")
     assert spec is not None and spec.loader is not None
     launch = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(launch)
@@ -110,9 +108,13 @@ def test_block_extraction_pairs_code_with_its_output(tmp_path: Path) -> None:
     assert blocks(page) == [("print(1)\n", "1\n"), ("x = 2\n", None)]
 
 
+LABS = sorted((DOCS / "results").glob("*.md"))
+"""The lab pages: how each number of the guides was measured (docs/results/README.md)."""
+
+
 def test_results_cited_by_the_docs_are_committed() -> None:
     cited: set[str] = set()
-    for page in [ROOT / "README.md", *DOCS.glob("*.md")]:
+    for page in [ROOT / "README.md", *DOCS.glob("*.md"), *LABS]:
         cited.update(re.findall(r"docs/results/[\w.-]+\.json", page.read_text(encoding="utf-8")))
     assert cited, "no page cites a results file"
     missing = sorted(c for c in cited if not (ROOT / c).is_file())
@@ -135,6 +137,56 @@ def test_every_docs_page_has_one_title_and_the_index_and_the_site_list_it() -> N
     assert re.search(r":\s+index\.md$", site, re.MULTILINE)
 
 
+def test_every_lab_page_has_one_title_and_the_results_index_and_the_site_list_it() -> None:
+    readme = (DOCS / "results" / "README.md").read_text(encoding="utf-8")
+    site = (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
+    assert len(LABS) >= 2, "docs/results/ lost its lab pages"
+    for page in LABS:
+        text = FENCE.sub("", page.read_text(encoding="utf-8"))
+        titles = re.findall(r"^# .+", text, re.MULTILINE)
+        assert text.startswith("# ") and len(titles) == 1, (page.name, titles)
+        if page.name != "README.md":
+            assert f"]({page.name})" in readme, f"docs/results/README.md does not link {page.name}"
+        assert re.search(rf":\s+results/{re.escape(page.name)}$", site, re.MULTILINE), page.name
+
+
+MACHINE = re.compile(
+    r"load average|at load \d|(quiet|loaded|busy|shared) (2-core )?machine|quiet round"
+    r"|noise floor|\(target[: ]|\btargets? (met|>=|<=|of at)",
+    re.IGNORECASE,
+)
+"""How a run went (the machine's load, the targets it was measured against): lab-page talk."""
+
+
+def test_the_benchmarks_index_names_every_script_in_its_folder() -> None:
+    """benchmarks/README.md: one row per script, under the folder it lives in."""
+    bench = ROOT / "benchmarks"
+    index = (bench / "README.md").read_text(encoding="utf-8")
+    folders = re.split(r"^\| \*\*(\w+)/\*\* \|", index, flags=re.MULTILINE)[1:]
+    listed = {
+        f"{folder}/{name}"
+        for folder, rows in zip(folders[::2], folders[1::2], strict=True)
+        for row in rows.splitlines()
+        if row.startswith("| `")  # the first cell names the row's scripts
+        for name in re.findall(r"`([\w.]+\.(?:py|sh))`", row.split(" | ", 1)[0])
+    }
+    scripts = {
+        p.relative_to(bench).as_posix()
+        for p in [*bench.glob("*/*.py"), *bench.glob("*/*.sh")]
+    }
+    assert scripts - listed == set(), "not in benchmarks/README.md"
+    assert listed - scripts == set(), "listed in benchmarks/README.md but not there"
+
+
+def test_the_guides_state_numbers_and_leave_machine_conditions_to_the_lab_pages() -> None:
+    found = []
+    for page in [ROOT / "README.md", *GUIDES]:
+        for line in page.read_text(encoding="utf-8").splitlines():
+            if MACHINE.search(line) and "OMP_WAIT_POLICY" not in line:
+                found.append(f"{page.name}: {line.strip()}")
+    assert found == []
+
+
 def test_the_readme_lists_the_index_and_the_embedding_guide() -> None:
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     documentation = readme.split("## Documentation", 1)[1].split("\n## ", 1)[0]
@@ -145,7 +197,8 @@ def test_relative_links_of_the_docs_reach_a_file() -> None:
     """mkdocs checks the links between its pages; this checks every page's links, those out
     of docs/ (to benchmarks/, the README) included."""
     broken = []
-    for page in [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *DOCS.glob("*.md")]:
+    pages = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "benchmarks" / "README.md"]
+    for page in [*pages, *DOCS.glob("*.md"), *LABS]:
         text = FENCE.sub("", page.read_text(encoding="utf-8"))
         for target in re.findall(r"\]\(([^)\s]+)\)", text):
             path = target.split("#", 1)[0]

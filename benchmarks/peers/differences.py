@@ -29,6 +29,7 @@ from typing import Any
 import attrs
 
 from prefixflight.specs import (
+    KVIndexConformance,
     PrefixEngineConformance,
     S3FIFOConformance,
     SchedulerConformance,
@@ -36,6 +37,7 @@ from prefixflight.specs import (
 )
 from prefixflight.specs._conform import _run
 from prefixflight.specs.adapters import (
+    DynamoIndexAdapter,
     LibCacheSimS3FIFO,
     SGLangAdapter,
     VLLMAdapter,
@@ -100,6 +102,11 @@ CASES: dict[str, tuple[Callable[[Any], type[Any]], Any, list[dict[str, Any]]]] =
         ),
         attrs.evolve(VLLMSchedulerAdapter.semantics, policies={"priority"}, chunking="any"),
         [{}],
+    ),
+    "dynamo": (
+        lambda sem: KVIndexConformance.for_adapter(DynamoIndexAdapter, semantics=sem),
+        DynamoIndexAdapter.semantics,
+        [{"order": "any"}, {"removals": "any"}, {"copies": "counted"}],
     ),
 }
 EXAMPLES = {"vllm scheduler, priority, long_prefill_token_threshold=4": 3000}

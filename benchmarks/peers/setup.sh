@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create a separate virtual environment with the performance peers (docs/performance.md):
-# vLLM 0.33.0 (v1 KV cache manager), SGLang 0.5.23 (RadixCache) and libCacheSim 0.3.5.
+# vLLM 0.33.0 (v1 KV cache manager), SGLang 0.5.23 (RadixCache) and libCacheSim 0.3.5, and
+# NVIDIA Dynamo's KV router index (ai-dynamo-runtime 1.6.1, a CPU wheel: its RadixTree).
 #
 # The peers never enter the project's own environment: vLLM and SGLang pin a GPU stack,
 # and libCacheSim is GPL-licensed, so it is imported only by benchmarks/peers/run.py
@@ -8,14 +9,21 @@
 #
 # Usage: bash benchmarks/peers/setup.sh [VENV_DIR]   (default: .venv-peers)
 # Then:  .venv-peers/bin/python benchmarks/peers/run.py
-#        .venv-peers/bin/prefixflight conform vllm      (or sglang, libcachesim)
-# Reuses VENV_DIR when it already has the three peers at their versions (a cached venv),
-# pointing its prefixflight at this checkout.
+#        .venv-peers/bin/prefixflight conform vllm      (or sglang, libcachesim, dynamo)
+# Reuses VENV_DIR when it already has the three engines at their versions (a cached venv),
+# pointing its prefixflight at this checkout and adding Dynamo if it lacks it.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 VENV="${1:-$ROOT/.venv-peers}"
 DL="$VENV/downloads"
+
+# Dynamo's wheel without its dependency pins: its RadixTree (dynamo.llm) imports with
+# pydantic alone (uvloop and the rest serve its runtime, which the index does not start).
+install_dynamo() {
+  "$VENV/bin/python" -m pip install -q --no-deps "ai-dynamo-runtime==1.6.1"
+  "$VENV/bin/python" -m pip install -q pydantic
+}
 
 if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" - <<'PY' 2>/dev/null
 import sys
@@ -25,7 +33,16 @@ sys.exit(0 if all(version(p) == v for p, v in want.items()) and version("hypothe
 PY
 then
   "$VENV/bin/python" -m pip install -q --no-deps -e "$ROOT"  # this checkout's prefixflight
-  echo "setup.sh: $VENV already has vllm 0.33.0, sglang 0.5.23, libcachesim 0.3.5"
+  if ! "$VENV/bin/python" - <<'PY' 2>/dev/null
+import sys
+from importlib.metadata import version
+sys.exit(0 if version("ai-dynamo-runtime") == "1.6.1" else 1)
+PY
+  then
+    echo "setup.sh: adding ai-dynamo-runtime 1.6.1 to $VENV"
+    install_dynamo
+  fi
+  echo "setup.sh: $VENV already has vllm 0.33.0, sglang 0.5.23, libcachesim 0.3.5, ai-dynamo-runtime 1.6.1"
   exit 0
 fi
 
@@ -63,10 +80,13 @@ mkdir -p "$DL"
 # 5. libCacheSim's Python bindings (GPL; only ever imported inside this environment).
 "${PIP[@]}" install -q "torch==2.13.0" libcachesim==0.3.5
 
+# 6. NVIDIA Dynamo's KV router index.
+install_dynamo
+
 rm -rf "$DL"
 "$VENV/bin/python" - <<'PY'
 import importlib
-for name in ("vllm.v1.core.kv_cache_manager", "libcachesim"):
+for name in ("vllm.v1.core.kv_cache_manager", "libcachesim", "dynamo.llm"):
     try:
         importlib.import_module(name)
         print(f"setup.sh: {name} imports")

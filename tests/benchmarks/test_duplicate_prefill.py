@@ -1,4 +1,4 @@
-"""benchmarks/duplicate_prefill.py's yardstick: what an ideal prefix cache computes."""
+"""benchmarks/flight/duplicate_prefill.py's yardstick: what an ideal prefix cache computes."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "duplicate_prefill.py"
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "flight" / "duplicate_prefill.py"
 _spec = importlib.util.spec_from_file_location("duplicate_prefill", _PATH)
 assert _spec is not None and _spec.loader is not None
 bench = importlib.util.module_from_spec(_spec)

@@ -1,6 +1,6 @@
-"""benchmarks/stdlib_replay.py, the yardstick of the start-up benchmark, computes exactly
+"""benchmarks/cache/stdlib_replay.py, the yardstick of the start-up benchmark, computes exactly
 what ``prefixflight replay`` computes (random traces, both policies, edge capacities), and
-benchmarks/startup.py runs end to end."""
+benchmarks/cache/startup.py runs end to end."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from prefixflight.core import TraceRecord, replay
 
-_BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+_BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "cache"
 
 
 def _load(name: str) -> ModuleType:

@@ -1,6 +1,6 @@
 """``prefixflight conform``: our own engine passes; a fork given by --impl that breaks the spec
 exits 1 with its shrunk example; usage errors exit 2 with one line; the JSON says what ran.
-(vLLM, SGLang and libCacheSim run in tests/peers, in their own environment.)"""
+(vLLM, SGLang, libCacheSim and Dynamo run in tests/peers, in their own environment.)"""
 
 from __future__ import annotations
 
@@ -161,28 +161,31 @@ def test_usage_errors_exit_2_with_one_line(tmp_path: Path, args: list[str], says
     assert says in run.stderr and "Traceback" not in run.stderr
 
 
-def test_an_engine_that_is_not_installed_is_a_usage_error(tmp_path: Path) -> None:
-    """The project's own environment has no vLLM: the message says where to run it."""
+@pytest.mark.parametrize("engine", ["vllm", "dynamo"])
+def test_an_engine_that_is_not_installed_is_a_usage_error(tmp_path: Path, engine: str) -> None:
+    """The project's own environment has no vLLM or Dynamo: the message says where to run
+    them."""
     pytest.importorskip("hypothesis")
     try:
-        __import__("vllm")
+        __import__(engine)
     except ImportError:
         pass
-    else:  # pragma: no cover - only in an environment with vLLM
-        pytest.skip("vLLM is installed here: the not-installed path cannot be exercised")
-    run = _conform(tmp_path, "vllm", "--examples", "1")
+    else:  # pragma: no cover - only in an environment with the engine
+        pytest.skip(f"{engine} is installed here: the not-installed path cannot be exercised")
+    run = _conform(tmp_path, engine, "--examples", "1")
     assert run.returncode == 2
     assert "benchmarks/peers/setup.sh" in run.stderr and "Traceback" not in run.stderr
 
 
 def test_the_engine_modules_import_without_their_engines() -> None:
-    """prefixflight never imports vLLM, SGLang or libCacheSim on its own."""
+    """prefixflight never imports vLLM, SGLang, libCacheSim or Dynamo on its own."""
     code = textwrap.dedent(
         """
         import sys
         import prefixflight.cli._conform_cmd, prefixflight.specs.adapters
         import prefixflight.specs._conform
-        bad = {m for m in sys.modules if m.split('.')[0] in ('vllm', 'sglang', 'libcachesim')}
+        engines = ('vllm', 'sglang', 'libcachesim', 'dynamo')
+        bad = {m for m in sys.modules if m.split('.')[0] in engines}
         assert not bad, bad
         """
     )
@@ -206,6 +209,7 @@ def test_the_cli_reads_the_one_registry(capsys: pytest.CaptureFixture[str]) -> N
         main(["conform", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert f"{', '.join(ENGINES)}, or an engine an installed package registers" in out
+    assert "dynamo" in ENGINES  # NVIDIA Dynamo's KV router index (the index check)
     assert f"run only this check of the engine ({', '.join(CHECKS)};" in out
 
 

@@ -1,19 +1,29 @@
 # mypy: disallow-subclassing-any=False
 """Broken subclasses of the real engines' classes, each with one seeded mistake, for
-``prefixflight conform ENGINE --impl broken:CLASS`` (run in the peers environment; this
-module imports vLLM, SGLang and libCacheSim, so only that environment can import it)."""
+``prefixflight conform ENGINE --impl broken:CLASS``; and broken Dynamo-backed indexes (its
+``RadixTree`` cannot be subclassed: they wrap it) and prefixflight.vllm's queue with one
+seeded mistake each, for ``prefixflight conform --adapter broken:CLASS``. Run in the peers
+environment: this module imports vLLM, SGLang, libCacheSim and Dynamo, so only that
+environment can import it."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import libcachesim
+from dynamo.llm import RadixTree
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
-from prefixflight.specs.adapters import stub_torchvision
+from prefixflight.specs.adapters import (
+    DynamoIndexAdapter,
+    VLLMPluginLRU,
+    VLLMPluginS3FIFO,
+    stub_torchvision,
+)
 
 stub_torchvision()
 from sglang.srt.mem_cache.radix_cache import RadixCache  # noqa: E402
@@ -88,6 +98,32 @@ class DroppingScheduler(Scheduler):
         return outputs
 
 
+# -- prefixflight.vllm's queue in vLLM's pool -------------------------------------------------
+class ReleaseCountingS3FIFOPlugin(VLLMPluginS3FIFO):
+    """S3-FIFO whose frequency also counts releases (``refresh_on_free`` on)."""
+
+    def __init__(self, pages: int, **kwargs: Any) -> None:
+        super().__init__(pages, **kwargs)
+        self.queue._refresh_on_free = True
+
+
+class EmptyLastPlugin(VLLMPluginLRU):
+    """A queue that puts freed blocks without a hash behind the cached ones, so it evicts a
+    cached block while an empty one is free."""
+
+    def __init__(self, pages: int, **kwargs: Any) -> None:
+        super().__init__(pages, **kwargs)
+        self.queue.prepend_n = self.queue.append_n
+
+
+class OrphanKeepingPlugin(VLLMPluginS3FIFO):
+    """A queue that leaves a block's cached descendants behind when it leaves."""
+
+    def __init__(self, pages: int, **kwargs: Any) -> None:
+        super().__init__(pages, **kwargs)
+        self.queue._forget_chain = lambda key: None
+
+
 # -- SGLang ----------------------------------------------------------------------------------
 class UnderMatchingRadixCache(RadixCache):
     """A match that reports one page fewer than it matched."""
@@ -132,3 +168,52 @@ class StaleLRU(libcachesim.LRU):
         if self.find(req, update_cache=False) is not None:
             return True
         return bool(super().get(req))
+
+
+# -- Dynamo ----------------------------------------------------------------------------------
+class _WrappedRadixTree:
+    """Dynamo's ``RadixTree``, each event passed through `_event` first (``None``: dropped)."""
+
+    def __init__(self) -> None:
+        self.tree = RadixTree()
+
+    def _event(self, event: dict[str, Any]) -> dict[str, Any] | None:
+        return event
+
+    def apply_event(self, worker_id: int, raw: bytes) -> None:
+        event = self._event(json.loads(raw))
+        if event is not None:
+            self.tree.apply_event(worker_id, json.dumps(event).encode())
+
+    def find_matches(self, sequence: list[int], early_exit: bool = False) -> Any:
+        return self.tree.find_matches(sequence, early_exit)
+
+    def clear_all_blocks(self, worker_id: int) -> None:
+        self.tree.clear_all_blocks(worker_id)
+
+
+class _RemovalDroppingTree(_WrappedRadixTree):
+    def _event(self, event: dict[str, Any]) -> dict[str, Any] | None:
+        return None if isinstance(event["data"], dict) and "removed" in event["data"] else event
+
+
+class _ParentIgnoringTree(_WrappedRadixTree):
+    def _event(self, event: dict[str, Any]) -> dict[str, Any] | None:
+        if isinstance(event["data"], dict) and "stored" in event["data"]:
+            event["data"]["stored"]["parent_hash"] = None
+        return event
+
+
+class RemovalDroppingIndex(DynamoIndexAdapter):
+    """Dynamo's tree that never applies a ``removed`` event (evicted blocks stay indexed)."""
+
+    def __init__(self) -> None:
+        super().__init__(tree_cls=_RemovalDroppingTree)
+
+
+class ParentIgnoringIndex(DynamoIndexAdapter):
+    """Dynamo's tree fed every ``stored`` block without its parent (each hangs from the
+    root, so no chain longer than one block is found)."""
+
+    def __init__(self) -> None:
+        super().__init__(tree_cls=_ParentIgnoringTree)

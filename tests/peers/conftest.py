@@ -1,7 +1,8 @@
-"""The peers environment (vLLM, SGLang, libCacheSim): found, or built once, or a failure.
+"""The peers environment (vLLM, SGLang, libCacheSim, Dynamo's RadixTree): found, or built once,
+or a failure.
 
 ``PREFIXFLIGHT_PEERS_VENV`` names it (default ``<repo>/.venv-peers``). If its Python cannot
-import the three engines and Hypothesis, ``benchmarks/peers/setup.sh`` builds it there (a
+import the four engines and Hypothesis, ``benchmarks/peers/setup.sh`` builds it there (a
 few minutes, once: later runs reuse it); if that fails, every test that needs it FAILS with
 setup.sh's output, never skips. Commands run with this checkout's source roots first on the
 path, so the environment may have been built from another checkout.
@@ -18,7 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 _PROBE = (
-    "import hypothesis, libcachesim, vllm.v1.core.kv_cache_manager\n"
+    "import dynamo.llm, hypothesis, libcachesim, vllm.v1.core.kv_cache_manager\n"
     "from prefixflight.specs.adapters import stub_torchvision\n"
     "stub_torchvision()\n"
     "import sglang.srt.mem_cache.radix_cache\n"

@@ -1,6 +1,8 @@
-"""vLLM, SGLang and libCacheSim under the kit, in their own environment: each passes with its
-declared differences; broken subclasses of their real classes are caught through --impl;
-libCacheSim's crashes come back as findings, shrunk; vLLM's scheduler finding replays.
+"""vLLM, SGLang, libCacheSim and Dynamo's KV router index under the kit, in their own
+environment: each passes with its declared differences; broken subclasses of their real
+classes are caught through --impl (broken Dynamo-backed indexes through --adapter: its tree
+cannot be subclassed); libCacheSim's crashes come back as findings, shrunk; vLLM's scheduler
+finding replays; Dynamo's differences replay standalone.
 
 One process per engine runs ``prefixflight conform`` as shipped and then once per broken
 class (``run_impls.py``), so each engine is imported once."""
@@ -14,16 +16,21 @@ from typing import Any
 
 import pytest
 
-from .conftest import HERE, peers_env
+from .conftest import HERE, ROOT, peers_env
 
 pytestmark = pytest.mark.peers
 
-# engine -> (the declared differences per check, {broken class: what its failure says})
+# engine -> (the declared differences per check and adapter, {broken class: what its
+# failure says})
 _ENGINES: dict[str, tuple[dict[str, list[str]], dict[str, str]]] = {
     "vllm": (
-        {"engine": ["hit_cap", "publish", "touch", "pins", "capacity", "duplicates",
-                    "invalidated"],
-         "scheduler": ["same_step_reads", "preemption"]},
+        {"engine VLLMAdapter": ["hit_cap", "publish", "touch", "pins", "capacity",
+                                "duplicates", "invalidated"],
+         "engine VLLMPluginLRU": ["hit_cap", "publish", "touch", "pins", "capacity",
+                                  "duplicates", "orphans", "policy"],
+         "engine VLLMPluginS3FIFO": ["hit_cap", "publish", "touch", "capacity", "duplicates",
+                                     "orphans", "policy"],
+         "scheduler VLLMSchedulerAdapter": ["same_step_reads", "preemption"]},
         {
             "UnderReportingKVCacheManager": "the engine hit 0 tokens, the reference hit 16",
             "LeakyKVCacheManager": "leaked",
@@ -31,10 +38,14 @@ _ENGINES: dict[str, tuple[dict[str, list[str]], dict[str, str]]] = {
             "FreedPrefixScheduler": "freed while in use",
             "LeakyAbortScheduler": "a reference leaked",
             "DroppingScheduler": "nothing was delivered",
+            # prefixflight.vllm's queue, each with one mistake
+            "adapter:ReleaseCountingS3FIFOPlugin": "cached blocks differ",
+            "adapter:EmptyLastPlugin": "cached blocks differ",
+            "adapter:OrphanKeepingPlugin": "after invalidate(",
         },
     ),
     "sglang": (
-        {"engine": ["hit_cap", "pins", "unit", "capacity"]},
+        {"engine SGLangAdapter": ["hit_cap", "pins", "unit", "capacity"]},
         {
             "UnderMatchingRadixCache": "the engine refused it, the reference hit 16",
             "PageDroppingRadixCache": "cached blocks differ",
@@ -43,11 +54,21 @@ _ENGINES: dict[str, tuple[dict[str, list[str]], dict[str, str]]] = {
     ),
     "libcachesim": (
         {
-            "s3fifo": ["ops", "evictions", "sizing", "main_evictions", "on_promote",
-                       "promote_at", "small_queue", "min_small_blocks"],
-            "lru": ["ops", "evictions"],
+            "s3fifo isolated_LibCacheSimS3FIFO": ["ops", "evictions", "sizing",
+                                                  "main_evictions", "on_promote", "promote_at",
+                                                  "small_queue", "min_small_blocks"],
+            "lru isolated_LibCacheSimLRU": ["ops", "evictions"],
         },
         {"NoRemoveS3FIFO": "after remove(", "StaleLRU": "the implementation"},
+    ),
+    "dynamo": (
+        {"index": ["order", "removals", "copies"]},
+        {
+            "adapter:RemovalDroppingIndex": "the index predicts 1 cached blocks of a, the "
+            "engine has 0",
+            "adapter:ParentIgnoringIndex": "the index predicts 1 cached blocks of a.a, the "
+            "engine has 2",
+        },
     ),
 }  # fmt: skip
 
@@ -73,13 +94,17 @@ def test_engine_passes_as_shipped_and_its_broken_subclasses_are_caught(
     shipped, *forks = _run(peers_python, str(HERE / "run_impls.py"), engine, "100", "30", *broken)
     assert shipped["status"] == 0, shipped["stdout"]
     checks = shipped["report"]["checks"]
-    assert {c["name"]: [d["name"] for d in c["declared"]] for c in checks} == declared
+    assert {f"{c['name']} {c['adapter']}": [d["name"] for d in c["declared"]] for c in checks} == (
+        declared
+    )
     assert all(c["examples"] == 100 and c["passed"] for c in checks)
     for fork, says in zip(forks, broken.values(), strict=True):
         assert fork["status"] == 1, f"{fork['impl']} was not caught:\n{fork['stdout']}"
         out = fork["stdout"]
         assert "UNDECLARED DIFFERENCE" in out and says in out, f"{fork['impl']}:\n{out}"
-        assert "minimal example:" in out and f"--impl broken:{fork['impl']}" in out
+        name = fork["impl"].removeprefix("adapter:")
+        how = "--impl" if name == fork["impl"] else "--adapter"
+        assert "minimal example:" in out and f"{how} broken:{name}" in out
 
 
 def test_libcachesim_crashes_are_findings(peers_python: Path) -> None:
@@ -104,3 +129,18 @@ def test_vllm_priority_preemption_leaves_uncomputed_blocks_cached(peers_python: 
     assert found["fcfs"] is None
     assert found["repro"]["returncode"] == 1, found["repro"]["stdout"]
     assert "REPRODUCED" in found["repro"]["stdout"]
+
+
+@pytest.mark.parametrize(
+    "repro", ["dynamo_child_before_parent", "dynamo_removal_after_parent", "dynamo_copies"]
+)
+def test_dynamos_differences_replay_on_dynamo_alone(peers_python: Path, repro: str) -> None:
+    """What the index machine finds in Dynamo's tree under the default declarations (a child
+    stored before its parent is refused; a child's removal after its parent's fails; one
+    removal of two copies drops the block), replayed by the standalone scripts."""
+    script = ROOT / "benchmarks" / "peers" / "repro" / f"{repro}.py"
+    run = subprocess.run(
+        [str(peers_python), str(script)], capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "REPRODUCED" in run.stdout

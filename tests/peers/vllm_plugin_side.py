@@ -17,7 +17,7 @@ from typing import Any
 
 import attrs
 
-from prefixflight.specs.adapters import VLLMAdapter
+from prefixflight.specs.adapters import VLLMAdapter, VLLMPluginS3FIFO
 from prefixflight.vllm import EvictionSettings, PolicyQueue, install
 
 
@@ -93,8 +93,25 @@ def run(seed: int, aligned: bool, policy: str | None) -> dict[str, Any]:
     return {"hits": hits, "broken": broken[:5], "stats": stats}
 
 
+class _LongPrompts(VLLMPluginS3FIFO):
+    max_model_len = 64_000
+
+
+def deep_chain(blocks: int) -> dict[str, Any]:
+    """One request caches a chain of ``blocks`` blocks and ends; its first block is then
+    invalidated: every descendant leaves with it (the plugin's queue, S3-FIFO)."""
+    adapter = _LongPrompts(blocks + 1)
+    tokens = list(range(blocks * 16 + 1))
+    adapter.admit("r0", tokens)
+    adapter.finish("r0")
+    adapter.invalidate(tuple(tokens[:16]))
+    broken = check(adapter, adapter.queue)
+    return {"orphans_evicted": adapter.queue.stats.orphans_evicted, "broken": broken,
+            "cached": len(adapter.queue.cached_keys())}  # fmt: skip
+
+
 def main(seeds: int) -> None:
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"deep_chain": deep_chain(3000)}
     for policy in ("lru", "s3fifo"):
         for aligned in (False, True):
             differs, broken, copies, evicted, hit_sum, stock_sum = [], [], 0, 0, 0, 0

@@ -269,6 +269,13 @@ def test_ours_refuses_without_changing_anything() -> None:
         ({"pins": "unlock-no-touch"}, "modelled for unit='node'"),
         ({"ops": {"evict", "shrink"}}, "unknown operations ['shrink']"),
         ({"capacity": "fixed", "ops": {"invalidate"}}, "capacity='fixed'"),
+        ({"policy": "arc"}, "policy must be one of"),
+        ({"policy": "s3fifo"}, "got capacity='fixed', orphans='kept'"),
+        (
+            {"policy": "lru", "capacity": "shared-pool", "orphans": "removed",
+             "invalidated": "in-place"},
+            "got invalidated='in-place'",
+        ),
     ],
 )
 def test_declarations_reject_what_is_not_modelled(kwargs: dict[str, Any], says: str) -> None:
@@ -281,6 +288,28 @@ def test_declared_differences_list_departures_not_capabilities() -> None:
     names = [d["name"] for d in declared_differences(PagePoolAdapter.semantics)]
     assert names == ["hit_cap", "touch", "capacity", "orphans"]  # evictions=reported adds checks
     assert declared_differences(EngineSemantics(ops={"reset"})) == []
+
+
+_PLUGIN = EngineSemantics(
+    hit_cap="n-1", publish="at-admit", touch="tail-first", capacity="shared-pool",
+    duplicates="kept", orphans="removed", policy="s3fifo",
+)  # fmt: skip
+
+
+def test_a_policy_reference_reuses_a_redundant_copy_before_evicting() -> None:
+    """Two requests compute the same block (two pages); once both end, the second page is
+    redundant, and a request that needs two pages of a full pool takes it and evicts one."""
+    ref = ReferencePrefixEngine(_PLUGIN, pages=3, block_size=4)
+    a = _tokens(1)
+    assert ref.admit("r0", a) == 0 and ref.admit("r1", a) == 0  # n-1: the last block recomputed
+    assert ref.copies() == {tuple(a): 2}
+    ref.finish("r0")
+    ref.finish("r1")
+    b = tuple(_tokens(2, 3))
+    assert ref.admit("r2", b) == 0
+    assert ref.copies() == {tuple(a): 1, b[:4]: 1, b: 1}
+    assert ref.free_pages() == 0
+    assert declared_differences(_PLUGIN)[-1]["name"] == "policy"
 
 
 def test_for_adapter_takes_partials_and_their_declaration() -> None:

@@ -59,6 +59,23 @@ class CountingIndex:
         return n
 
 
+class SubtreeIndex(CountingIndex):
+    """Counts copies, but a removed block takes its cached descendants with it, and removing
+    a block it does not hold is an error (as Dynamo's radix tree does)."""
+
+    def apply(self, kind: str, key: Sequence[int] | None) -> None:
+        if kind != "removed" or key is None:
+            super().apply(kind, key)
+            return
+        block = tuple(key)
+        if not self.copies[block]:
+            raise KeyError(f"removed {block}, which the index does not hold")
+        super().apply(kind, key)
+        if not self.copies[block]:
+            for k in [k for k in self.copies if k[: len(block)] == block]:
+                del self.copies[k]
+
+
 def _machine(factory: Any, semantics: IndexSemantics | None = None) -> type[Any]:
     return KVIndexConformance.for_adapter(factory, semantics=semantics)
 
@@ -96,8 +113,24 @@ def test_a_broken_index_is_caught(broken: dict[str, bool]) -> None:
         run_state_machine_as_test(_machine(make, IndexSemantics()), settings=_CATCH)
 
 
+def test_removals_children_first_is_declarable_and_needed() -> None:
+    """An index whose removed parent takes its descendants passes when the engine removes
+    children first (in any interleaving with the step's stores); with removals in any order
+    the machine sends a parent's removal before its child's and the index fails."""
+    run_state_machine_as_test(
+        _machine(SubtreeIndex, IndexSemantics(removals="children-first")), settings=_PASS
+    )
+    with pytest.raises(KeyError, match="which the index does not hold"):
+        run_state_machine_as_test(_machine(SubtreeIndex, IndexSemantics()), settings=_CATCH)
+    assert [d["name"] for d in declared_differences(IndexSemantics(removals="children-first"))] == [
+        "removals"
+    ]
+
+
 def test_index_declarations_name_the_bad_value() -> None:
     with pytest.raises(UsageError, match=r"order must be one of .* got 'random'"):
         IndexSemantics(order="random")  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match=r"removals must be one of .* got 'parents-first'"):
+        IndexSemantics(removals="parents-first")  # type: ignore[arg-type]
     with pytest.raises(UsageError, match="IndexSemantics, got 'any'"):
         KVIndexConformance.for_adapter(CountingIndex, semantics="any")  # type: ignore[arg-type]

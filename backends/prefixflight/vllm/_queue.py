@@ -20,7 +20,8 @@ carrying it is in use, and its accesses are the hits vLLM gives (``BlockPool.tou
 blocks in use) and the admissions of newly cached blocks (``cache_full_blocks``, deepest
 first). A policy may evict on admission (S3-FIFO's small queue): those blocks lose their hash
 at once. Eviction is chain safe: when a hash leaves the cache, its cached descendants, which
-no lookup can reach any more, leave with it (``orphans_evicted``).
+no lookup can reach any more, leave with it (``orphans_evicted``), in use or not (a block in
+use loses its parent only when vLLM invalidates the parent, whose KV it was computed on).
 
 `install` swaps the queue into a live pool and wraps the pool's methods that move hashes.
 No vLLM import here: the queue reads only the blocks' and the pool's attributes.
@@ -70,6 +71,9 @@ class QueueStats:
     """Redundant copies handed out before any eviction."""
     refused: int = 0
     """Blocks not cached because every candidate victim was in use."""
+    uncomputed_uncached: int = 0
+    """Blocks of a request preempted in the step that scheduled it, uncached because no
+    step computed them (the scheduler's fix of vLLM's priority-preemption finding)."""
 
 
 @final
@@ -99,6 +103,8 @@ class PolicyQueue:
         self._parent: dict[Key, Key | None] = {}
         self._children: dict[Key, set[Key]] = {}
         self._pending: list[tuple[Key, Block]] | None = None
+        self._gone: list[Key] = []  # hashes whose descendants are still to evict
+        self._unwinding = False
         self._taking: Block | None = None  # the block being handed out (neither free nor held)
         self.stats = QueueStats()
         for b in free_blocks:
@@ -370,7 +376,9 @@ class PolicyQueue:
                 self._pool._maybe_evict_cached_block(b)  # -> on_remove: b becomes fresh
 
     def _forget_chain(self, key: Key) -> None:
-        """``key`` left the cache: unlink it, and evict its cached descendants."""
+        """``key`` left the cache: unlink it, and evict its cached descendants. Iterative: a
+        descendant's removal comes back here (through ``on_remove``) and only queues its own
+        children, so a chain of any depth unwinds in one loop."""
         parent = self._parent.pop(key, None)
         if parent is not None:
             siblings = self._children.get(parent)
@@ -378,17 +386,27 @@ class PolicyQueue:
                 siblings.discard(key)
                 if not siblings:
                     del self._children[parent]
-        for child in list(self._children.pop(key, ())):
-            self._parent[child] = None
-            blocks = self._copies.get(child)
-            if not blocks or any(not self._free[b.block_id] for b in blocks):
-                continue  # in use: kept until released (no lookup reaches it meanwhile)
-            self.stats.orphans_evicted += 1
-            for b in list(blocks):
-                self._redundant.pop(b.block_id, None)
-                if self._primary.get(child) is b:
-                    del self._primary[child]
-                self._pool._maybe_evict_cached_block(b)  # -> on_remove -> its own chain
+        self._gone.append(key)
+        if self._unwinding:
+            return  # an outer call's loop takes it
+        self._unwinding = True
+        try:
+            while self._gone:
+                for child in list(self._children.pop(self._gone.pop(), ())):
+                    self._parent[child] = None
+                    blocks = self._copies.get(child)
+                    if not blocks:
+                        continue
+                    # in use too (its parent was invalidated): the request keeps the page,
+                    # uncached
+                    self.stats.orphans_evicted += 1
+                    for b in list(blocks):
+                        self._redundant.pop(b.block_id, None)
+                        if self._primary.get(child) is b:
+                            del self._primary[child]
+                        self._pool._maybe_evict_cached_block(b)  # -> on_remove: queues child
+        finally:
+            self._unwinding = False
 
     def _discard_unhashed(self, block: Block) -> None:
         for q in (self._fresh, self._last):

@@ -11,7 +11,9 @@ wherever vLLM would use it, the sync one otherwise), then, before its first allo
   computed, the leader ends, or it has waited ``max_wait_s``;
 - with ``checked``, checks the live pool and scheduler after every step
   (`prefixflight.vllm._checks`) and logs each violation as one line starting
-  ``prefixflight invariant violation:``.
+  ``prefixflight invariant violation:``;
+- always: a request vLLM preempts in the step that scheduled it leaves no block cached that
+  no step computed (vLLM's priority-preemption finding; `_preempt_request`).
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ class _Plugin:
     _held: dict[RequestId, Any]
     _tracked: dict[RequestId, Any]
     _checker: PoolChecker | None
+    _single: Any
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         vllm_config = kwargs.get("vllm_config", args[0] if args else None)
@@ -98,6 +101,7 @@ class _Plugin:
             refresh_on_free=config.eviction.refresh_on_free,
         )
         single = manager.coordinator.single_type_managers[0]
+        self._single = single
         self._block_size = single.block_size
         flight = config.single_flight
         self._flights = None
@@ -223,6 +227,24 @@ class _Plugin:
             self._checker.check()
         return out
 
+    # -- vLLM's priority-preemption finding ------------------------------------------------
+    def _preempt_request(self, request: Any, *args: Any, **kwargs: Any) -> None:
+        """Before vLLM preempts ``request``, uncache its blocks that no step has computed.
+
+        Under ``--scheduling-policy priority`` vLLM can preempt a request in the very
+        ``schedule()`` call that scheduled it, after ``allocate_slots`` registered the full
+        blocks that step would have computed; the step never runs for it, yet those blocks
+        stay cached, and a later hit (the request itself, when it resumes) reads KV nobody
+        wrote. Blocks from the one holding position ``num_computed_tokens`` on are exactly
+        those: they lose their hash here (vLLM emits ``BlockRemoved``) before vLLM frees them.
+        """
+        blocks = self._single.req_to_blocks.get(request.request_id, ())
+        pool = self.kv_cache_manager.block_pool  # type: ignore[attr-defined]
+        for block in blocks[request.num_computed_tokens // self._block_size :]:
+            if block.block_hash is not None:
+                pool._maybe_evict_cached_block(block)
+                self.prefixflight_queue.stats.uncomputed_uncached += 1
+        super()._preempt_request(request, *args, **kwargs)  # type: ignore[misc]
 
     def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> Any:
         log.info("prefixflight: stats %s", json.dumps(self.prefixflight_stats()))

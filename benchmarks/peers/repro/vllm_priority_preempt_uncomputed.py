@@ -9,7 +9,9 @@ the way the engine core drives it, with the model runner's outputs faked):
     python vllm_priority_preempt_uncomputed.py    # exit 1: reproduced; exit 0: fixed
 
 With ``--plugin`` the scheduler is ``prefixflight.vllm``'s (over vLLM's sync one, ``"lru"``
-eviction, checked mode), which logs the uncomputed block as an invariant violation.
+eviction, checked mode), which uncaches the blocks of a request preempted in the step that
+scheduled it: not reproduced (exit 0). With ``--plugin-checks-only`` it keeps vLLM's own
+preemption, and checked mode logs the uncomputed block as an invariant violation.
 
 ``--scheduling-policy priority --long-prefill-token-threshold 4``, block size 4, a pool of
 5 blocks, a budget of 6 tokens, 2 sequences. Request A (13 tokens, priority 1) computes
@@ -121,11 +123,17 @@ kv_cache_config = KVCacheConfig(
     kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn"], spec)],
 )
 scheduler_cls: type[Scheduler] = Scheduler
-if "--plugin" in sys.argv[1:]:
+if {"--plugin", "--plugin-checks-only"} & set(sys.argv[1:]):
     from prefixflight.vllm import SyncScheduler
 
     vllm_config.additional_config = {"prefixflight": {"eviction": "lru", "checked": True}}
     scheduler_cls = SyncScheduler
+    if "--plugin-checks-only" in sys.argv[1:]:
+
+        class ChecksOnly(SyncScheduler):
+            _preempt_request = Scheduler._preempt_request
+
+        scheduler_cls = ChecksOnly
 scheduler = scheduler_cls(
     vllm_config, kv_cache_config, StructuredOutputManager(vllm_config), block_size=BLOCK
 )

@@ -330,7 +330,7 @@ def _qualified(cls: type[Any]) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
-_PEERS = ("vllm", "sglang", "libcachesim")  # what benchmarks/peers/setup.sh installs
+_PEERS = ("vllm", "sglang", "libcachesim", "dynamo")  # what benchmarks/peers/setup.sh installs
 
 
 def _not_installed(engine: str, exc: ImportError) -> str:
@@ -368,10 +368,14 @@ def _choose(
             )
     kept = [c for c in checks if only is None or c.name in only]
     if impl is None:
-        seen: dict[str | None, Check] = {}
+        named: set[str | None] = set()
+        runs = []
         for c in kept:
-            seen.setdefault(c.name, c)
-        return list(seen.values())
+            if c.always or c.name not in named:
+                runs.append(c)
+            if not c.always:
+                named.add(c.name)
+        return runs
     if not isinstance(impl, type):
         raise UsageError(f"--impl must name a class, got {impl!r}")
     chosen = []

@@ -86,6 +86,11 @@ def _ops(*allowed: str) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
     return check
 
 
+POLICY_MACHINES = ("s3fifo", "lru", "fifo", "lfu", "sieve")
+"""The eviction policies a `PolicySemantics` or an `EngineSemantics` can name (each has its
+machine)."""
+
+
 @attrs.frozen(kw_only=True)
 class EngineSemantics:
     """An engine's prefix cache, as its adapter declares it (defaults: the replay task's).
@@ -134,6 +139,17 @@ class EngineSemantics:
     everything while nothing runs), ``"stats"`` (``hit_stats()``: the prompt tokens the
     engine reports as looked up and as hit, which must count every admitted request once
     and a refused one not at all).
+
+    ``policy``: ``None`` -- the engine's own LRU over pages, as ``touch`` and ``pins``
+    declare; or the name of a prefixflight eviction policy (``"lru"``, ``"s3fifo"``, ...) that
+    decides which cached block is evicted, keyed by block, as ``prefixflight.vllm`` runs it in
+    vLLM's pool: hits and newly cached blocks are its accesses (deepest first), and so are
+    releases with ``pins="release-is-use"`` (not with ``"ours"``); a block is pinned while a
+    page holding it is in use; a free page is reused in this order: pages holding nothing,
+    then redundant copies (a free page of a block whose first page is in use or is another;
+    the one redundant longest first), then the policy's victim, every page of it. Needs
+    ``unit="block"``, ``capacity="shared-pool"``, ``invalidated="reused-first"`` and
+    ``orphans="removed"``.
     """
 
     hit_cap: Literal["full", "n-1"] = attrs.field(default="full", validator=_one_of("full", "n-1"))
@@ -169,8 +185,26 @@ class EngineSemantics:
         converter=_frozen,
         validator=_ops("evict", "invalidate", "reset", "stats"),
     )
+    policy: str | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_one_of(*POLICY_MACHINES))
+    )
 
     def __attrs_post_init__(self) -> None:
+        if self.policy is not None:
+            wanted = {
+                "unit": "block",
+                "capacity": "shared-pool",
+                "invalidated": "reused-first",
+                "orphans": "removed",
+            }
+            wrong = {k: getattr(self, k) for k, v in wanted.items() if getattr(self, k) != v}
+            if wrong or self.pins == "unlock-no-touch":
+                got = ", ".join(f"{k}={v!r}" for k, v in wrong.items()) or "pins='unlock-no-touch'"
+                raise UsageError(
+                    f"policy={self.policy!r} is modelled for unit='block', "
+                    "capacity='shared-pool', invalidated='reused-first', orphans='removed' and "
+                    f"pins 'ours' or 'release-is-use'; got {got}"
+                )
         if self.unit == "node":
             if self.pins != "unlock-no-touch" or self.duplicates != "freed":
                 raise UsageError(
@@ -191,9 +225,6 @@ class EngineSemantics:
         """Whether the engine promises that every cached block's parent is cached."""
         return self.unit == "node" or self.orphans == "removed"
 
-
-POLICY_MACHINES = ("s3fifo", "lru", "fifo", "lfu", "sieve")
-"""The eviction policies a `PolicySemantics` can name (each has its machine)."""
 
 _S3FIFO_ONLY = (
     "sizing",
@@ -293,9 +324,14 @@ class IndexSemantics:
     """A KV-event consumer (a router's index of what an engine caches), as its adapter
     declares it (defaults: the most an engine may send).
 
-    ``order``: ``"any"`` -- the events of one engine step may arrive in any order (vLLM frees
-    a chain tail first); ``"parents-first"`` -- a block's ``stored`` event comes after its
-    parent's (the machine sends them in chain order).
+    ``order``: the order of one engine step's ``stored`` events: ``"any"`` (the machine
+    draws it) or ``"parents-first"`` -- a block's ``stored`` event comes after its parent's.
+
+    ``removals``: the order of one engine step's ``removed`` events: ``"any"`` (vLLM frees a
+    chain tail first, but a step may evict blocks of several chains) or
+    ``"children-first"`` -- a block's ``removed`` event comes before its parent's (an index
+    whose removed parent takes its descendants with it). Either way the machine draws how a
+    step's ``stored`` and ``removed`` events interleave.
 
     ``copies``: ``"counted"`` -- the engine may cache a block twice (vLLM's duplicates: a
     ``stored`` event per copy, a ``removed`` per copy), so a block is cached until its last
@@ -305,6 +341,9 @@ class IndexSemantics:
 
     order: Literal["any", "parents-first"] = attrs.field(
         default="any", validator=_one_of("any", "parents-first")
+    )
+    removals: Literal["any", "children-first"] = attrs.field(
+        default="any", validator=_one_of("any", "children-first")
     )
     copies: Literal["counted", "single"] = attrs.field(
         default="counted", validator=_one_of("counted", "single")
@@ -386,6 +425,7 @@ _MEANING: Mapping[tuple[str, str], str] = {
     ("on_promote", "decrement"): "a block promoted from small to main loses one frequency",
     ("small_queue", "when-full"): "evicts only when the whole cache is full (S3FIFO.c's flow)",
     ("order", "parents-first"): "a block's stored event must come after its parent's",
+    ("removals", "children-first"): "a block's removed event must come before its parent's",
     ("copies", "single"): "copies are not counted: the first removed event of a block cached "
     "twice removes it",
     ("same_step_reads", "any"): "every row's KV is written before any row attends: a row may "
@@ -418,8 +458,8 @@ def declared_differences(
             continue
         if isinstance(semantics, SchedulerSemantics) and field.name == "policies":
             continue
-        if field.name == "policy":  # which machine, not how it differs
-            continue
+        if field.name == "policy" and isinstance(semantics, PolicySemantics):
+            continue  # which machine, not how it differs
         if isinstance(value, frozenset):
             missing = sorted(set(base) - set(value))
             if not missing:
@@ -430,6 +470,11 @@ def declared_differences(
             meaning = f"a small-queue block is promoted at frequency >= {value}"
         elif field.name == "max_freq":
             meaning = f"the frequency cap is fixed at {value} (max_freq is not configurable)"
+        elif field.name == "policy":
+            meaning = (
+                f"prefixflight's {value} policy, keyed by block, decides evictions; a "
+                "redundant copy is reused before any eviction"
+            )
         elif field.name == "min_small_blocks":
             meaning = f"a small queue of fewer than {value} blocks caches nothing new"
         else:

@@ -9,7 +9,9 @@ slow, no indexes, every rule in one place.
 Two stores: the block store (``unit="block"``: pages holding cached blocks, each with a
 recency stamp and a reference count: vLLM's `BlockPool`, prefixflight's `PagePool`) and a
 radix tree (``unit="node"``: nodes of page-aligned blocks inserted together, evicted leaf by
-leaf: SGLang's `RadixCache`).
+leaf: SGLang's `RadixCache`). With a declared ``policy`` the block store's evictions are the
+decisions of that policy's plain reference model (`ReferenceS3FIFO`, `ReferenceLRU`, ...),
+keyed by block: prefixflight's policies inside vLLM's pool.
 """
 
 from __future__ import annotations
@@ -17,13 +19,14 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Iterator, Sequence
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import attrs
 
-from prefixflight.core import UsageError
+from prefixflight.core import CapacityError, UsageError
 
 from ._declare import EngineSemantics
+from ._registry import MACHINES, load_object
 
 __all__ = ["Key", "ReferencePrefixEngine", "block_keys"]
 
@@ -45,6 +48,7 @@ class _Copy:
     refs: int = 0
     stamp: int = 0
     cached: bool = True  # False once invalidated while a request still holds it
+    redundant_since: int | None = None  # policy: free while its block has a first page
 
 
 @attrs.define(eq=False)
@@ -90,6 +94,7 @@ class ReferencePrefixEngine:
         self.store: dict[Key, list[_Copy]] = {}  # block store: registration order
         self.limbo: list[int] = []  # stamps of invalidated free pages kept in place
         self.root = _Node([], None, lock=1)  # node store
+        self.policy = self._new_policy()  # a declared policy's reference model, or None
 
     # -- views ---------------------------------------------------------------------------
     def resident(self) -> frozenset[Key]:
@@ -140,6 +145,8 @@ class ReferencePrefixEngine:
                 for c in hits:
                     c.refs -= 1
                 return None
+            if self.policy is not None:
+                self._policy_hits(hits)
             self._make_room(need)
             self.free -= need
         else:
@@ -170,12 +177,16 @@ class ReferencePrefixEngine:
         if self.semantics.unit == "node":
             self._evict_nodes(pages)
             return
-        for _ in range(pages):
+        for _ in range(pages):  # (no policy declares "evict": prefixflight.vllm has none)
             if not self._evict_one():
                 return
 
     def invalidate(self, key: Key) -> None:
         """Drop ``key`` from the cache (every copy); held pages stay with their request."""
+        if self.policy is not None:
+            if key in self.store:
+                self._drop_block(key)
+            return
         for c in self.store.pop(key, []):
             c.cached = False
             if c.refs == 0:
@@ -193,6 +204,7 @@ class ReferencePrefixEngine:
         self.limbo.clear()
         self.root = _Node([], None, lock=1)
         self.free = self.pages
+        self.policy = self._new_policy()
 
     # -- block store ---------------------------------------------------------------------
     def _tick(self) -> int:
@@ -209,6 +221,8 @@ class ReferencePrefixEngine:
     def _evict_one(self) -> bool:
         """Evict the least recent unused copy (pages='ours': stamping the held copies the
         scan passes, as an LRU that finds a pinned block at its end counts it as used)."""
+        if self.policy is not None:
+            return self._policy_evict_one()
         by_age = sorted((c for cs in self.store.values() for c in cs), key=lambda c: c.stamp)
         victim = next((c for c in by_age if c.refs == 0), None)
         if victim is None:
@@ -252,6 +266,9 @@ class ReferencePrefixEngine:
     def _publish(self, run: _Run) -> None:
         """Register ``run``'s computed full blocks (those after its hits)."""
         sem = self.semantics
+        if self.policy is not None:
+            self._policy_publish(run)
+            return
         index = range(run.hit, len(run.keys))
         if sem.touch == "tail-first":
             index = range(len(run.keys) - 1, run.hit - 1, -1)
@@ -276,7 +293,9 @@ class ReferencePrefixEngine:
 
     def _release(self, run: _Run) -> None:
         sem = self.semantics
-        if sem.pins == "release-is-use":
+        if self.policy is not None:
+            self._policy_release(run)
+        elif sem.pins == "release-is-use":
             # pages are released in touch order; a copy nobody holds any more is stamped
             held = list(reversed(run.held)) if sem.touch == "tail-first" else run.held
             for c in held:
@@ -293,6 +312,113 @@ class ReferencePrefixEngine:
                     self.free += 1
         if sem.capacity == "shared-pool":
             self.free += run.own
+
+    # -- a declared policy over the block store (prefixflight.vllm) ----------------------
+    def _new_policy(self) -> Any:
+        name = self.semantics.policy
+        if name is None:
+            return None
+        return load_object(MACHINES[name].machine).reference(self.pages)
+
+    def _access(self, keys: Sequence[Key]) -> None:
+        """The policy's accesses; what it evicts on them leaves the cache (every page)."""
+        for key in self.policy.access(keys):
+            self._drop_block(key)
+
+    def _policy_hits(self, hits: Sequence[_Copy]) -> None:
+        """An admitted request's hits (already counted in ``refs``): a page newly in use pins
+        its block; then each hit is an access, deepest first."""
+        for c in hits:
+            if c.refs == 1:
+                self.policy.pin(c.key)
+        self._access([c.key for c in reversed(hits)])
+        self._mark_redundant()
+
+    def _policy_publish(self, run: _Run) -> None:
+        """Newly computed blocks, deepest first: each is an access; a block the policy
+        cannot admit stays the request's own page."""
+        published: dict[int, _Copy] = {}
+        for i in range(len(run.keys) - 1, run.hit - 1, -1):
+            key = run.keys[i]
+            if key not in self.store:
+                try:
+                    evicted = self.policy.access([key])
+                except CapacityError:
+                    continue
+                if key not in self.policy:
+                    for k in evicted:
+                        self._drop_block(k)
+                    continue
+                self.store[key] = []
+            else:
+                evicted = self.policy.access([key])
+            copy = _Copy(key, refs=1)
+            self.store[key].append(copy)
+            run.own -= 1
+            self.policy.pin(key)
+            published[i] = copy
+            for k in evicted:
+                self._drop_block(k)
+            self._mark_redundant()
+        run.held.extend(published[i] for i in sorted(published))
+
+    def _policy_release(self, run: _Run) -> None:
+        """A page nobody holds any more unpins its block (and, with
+        ``pins="release-is-use"``, is an access), in touch order."""
+        held = list(reversed(run.held)) if self.semantics.touch == "tail-first" else run.held
+        for c in held:
+            c.refs -= 1
+            if c.refs:
+                continue
+            if not c.cached:
+                self.free += 1
+                continue
+            self.policy.unpin(c.key)
+            if self.semantics.pins == "release-is-use":
+                self._access([c.key])
+            self._mark_redundant()
+
+    def _mark_redundant(self) -> None:
+        """Stamp the free pages that just became redundant: every free page of a block
+        whose first page is in use, and every free page but the first of a block."""
+        for copies in self.store.values():
+            all_free = all(c.refs == 0 for c in copies)
+            for i, c in enumerate(copies):
+                if c.refs or (all_free and i == 0):
+                    c.redundant_since = None
+                elif c.redundant_since is None:
+                    c.redundant_since = self._tick()
+
+    def _policy_evict_one(self) -> bool:
+        """Free one page: the redundant copy redundant longest, else the policy's victim
+        (every page of it: all free, as its block was not pinned)."""
+        redundant = [c for cs in self.store.values() for c in cs if c.redundant_since is not None]
+        if redundant:
+            victim = min(redundant, key=lambda c: c.redundant_since or 0)
+            self.store[victim.key].remove(victim)
+            self.free += 1
+            return True
+        key = self.policy.evict()
+        if key is None:
+            return False
+        self._drop_block(key)
+        return True
+
+    def _drop_block(self, key: Key) -> None:
+        """``key`` leaves the cache with its cached descendants (no lookup reaches them):
+        free pages are freed, held ones stay with their requests, uncached."""
+        gone = [k for k in self.store if k[: len(key)] == key]
+        for k in gone:
+            for c in self.store.pop(k):
+                c.cached = False
+                if c.refs:
+                    self.policy.unpin(k)
+                else:
+                    self.free += 1
+        for k in gone:
+            if k in self.policy:
+                self.policy.remove(k)
+        self._mark_redundant()
 
     # -- node store (a radix tree, as SGLang's RadixCache) -------------------------------
     def _nodes(self) -> Iterator[_Node]:

@@ -9,9 +9,10 @@ adapter, and the index must then predict, for every prompt prefix seen so far, h
 leading blocks the engine has cached. The adapter (`IndexAdapter`) has ``block_size``,
 ``apply(kind, key)`` and ``hits(tokens)``.
 
-The declaration (`IndexSemantics`) says which event streams the index handles: in any order
-within a step (the default; the machine draws the order) or parents first, and with copies
-counted (the default: the engine caches a block twice, as vLLM does) or one copy per block.
+The declaration (`IndexSemantics`) says which event streams the index handles: a step's
+events in any order (the default; the machine draws it), or its ``stored`` events parents
+first, or its ``removed`` events children first, or both; and copies counted (the default:
+the engine caches a block twice, as vLLM does) or one copy per block.
 """
 
 from __future__ import annotations
@@ -137,9 +138,8 @@ class KVIndexConformance(RuleBasedStateMachine):
         stored = sorted(now - self.copies, key=len)  # parents first
         events += [("removed", k) for k in removed for _ in range((self.copies - now)[k])]
         events += [("stored", k) for k in stored for _ in range((now - self.copies)[k])]
-        if type(self).semantics.order == "any" and len(events) > 1 and not cleared:
-            order = data.draw(st.permutations(range(len(events))), label="event order")
-            events = [events[i] for i in order]
+        if len(events) > 1 and not cleared:
+            events = self._shuffled(data, events)
         self.copies = now
         if events:
             shown = ", ".join(f"{kind} {self._label(k) if k else ''}".strip() for kind, k in events)
@@ -147,6 +147,23 @@ class KVIndexConformance(RuleBasedStateMachine):
         for kind, key in events:
             self.index.apply(kind, key)
         assert all(len(k) % bs == 0 for k in now)
+
+    def _shuffled(self, data: st.DataObject, events: list[KVChange]) -> list[KVChange]:
+        """``events`` (removals children first, then stores parents first) in a drawn order
+        that keeps the order the declaration promises for each kind."""
+        sem = type(self).semantics
+        kept = {"stored": sem.order == "parents-first", "removed": sem.removals == "children-first"}
+        kinds = {kind for kind, _ in events}
+        if len(kinds) == 1 and kept[kinds.pop()]:
+            return events  # one kind, in the order promised: nothing to draw
+        order = data.draw(st.permutations(range(len(events))), label="event order")
+        out = [events[i] for i in order]
+        for kind in ("stored", "removed"):
+            if kept[kind]:  # this kind's events go back, in their order, where the draw put them
+                slots = [i for i, (k, _) in enumerate(out) if k == kind]
+                for i, event in zip(slots, [e for e in events if e[0] == kind], strict=True):
+                    out[i] = event
+        return out
 
     # -- rules -----------------------------------------------------------------------------
     @precondition(lambda self: self.ref is not None and len(self.ref.runs) < _MAX_RUNNING)

@@ -84,7 +84,9 @@ class Check:
     ``impl_keyword=`` the ``--impl`` class); ``None`` when ``base`` itself is checked.
     ``isolated``: run it in a worker process (a crash is a finding). ``configs``:
     ``"module:function"`` returning the strategy of what the factory is called with.
-    ``setup``: ``"module:function"`` to call before importing ``base``.
+    ``setup``: ``"module:function"`` to call before importing ``base``. ``always``: runs
+    without ``--impl`` besides the first check of its name (another configuration of the
+    engine, such as vLLM with prefixflight's plugin).
     """
 
     name: str | None
@@ -94,6 +96,7 @@ class Check:
     isolated: bool = False
     configs: str | None = None
     setup: str | None = None
+    always: bool = False
 
 
 ENGINES: dict[str, tuple[Check, ...]] = {
@@ -110,6 +113,10 @@ ENGINES: dict[str, tuple[Check, ...]] = {
     "vllm": (
         Check("engine", "vllm.v1.core.kv_cache_manager:KVCacheManager", f"{_A}:VLLMAdapter"),
         Check("engine", "vllm.v1.core.block_pool:BlockPool", f"{_A}:VLLMAdapter"),
+        Check("engine", "vllm.v1.core.kv_cache_manager:KVCacheManager",
+              f"{_A}:VLLMPluginLRU", always=True),
+        Check("engine", "vllm.v1.core.kv_cache_manager:KVCacheManager",
+              f"{_A}:VLLMPluginS3FIFO", always=True),
         Check("scheduler", "vllm.v1.core.sched.scheduler:Scheduler",
               f"{_A}:VLLMSchedulerAdapter"),
     ),
@@ -122,9 +129,13 @@ ENGINES: dict[str, tuple[Check, ...]] = {
               configs=f"{_A}:libcachesim_s3fifo_configs"),
         Check("lru", "libcachesim:LRU", f"{_A}:LibCacheSimLRU", isolated=True),
     ),
+    "dynamo": (
+        Check("index", "dynamo.llm:RadixTree", f"{_A}:DynamoIndexAdapter", "tree_cls"),
+    ),
 }  # fmt: skip
 """The engines prefixflight ships adapters for (without ``--impl`` the first check of each
-name runs; with it, the checks whose ``base`` the class subclasses)."""
+name runs, and the ``always`` ones; with it, the checks whose ``base`` the class
+subclasses)."""
 
 
 def engines() -> dict[str, tuple[Check, ...]]:

@@ -463,7 +463,7 @@ FLASH_MIN = {torch.float32: 0}
 """Per dtype, the fewest keys (cached and new) over which a lone row of two or more queries
 runs torch's fused CPU attention kernel (`_flash`) instead of the blocked products of
 `PagedStep._causal`; a dtype not here: always the products. Measured on 2 AVX-512 cores
-(benchmarks/attention_flash.py, docs/performance.md): in fp32 the kernel is faster at
+(benchmarks/engine/attention_flash.py, docs/performance.md): in fp32 the kernel is faster at
 every size from 1,024 tokens (1.4-2.2x CPU time on the attention call); in bf16 it computes
 in fp32 while the products run at oneDNN's bf16 rate, and with SmolLM2's heads the products
 were faster up to 8,192 keys (the kernel 0.63-0.75x), so bf16 keeps the products."""

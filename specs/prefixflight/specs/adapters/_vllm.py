@@ -18,11 +18,13 @@ from contextlib import contextmanager
 from importlib import import_module
 from typing import Any
 
+import attrs
+
 from .._adapter import KVChange, PoolView
 from .._declare import EngineSemantics
 from .._engine_ref import Key
 
-__all__ = ["VLLMAdapter"]
+__all__ = ["VLLMAdapter", "VLLMPluginAdapter", "VLLMPluginLRU", "VLLMPluginS3FIFO"]
 
 
 @functools.cache
@@ -86,6 +88,7 @@ class VLLMAdapter:
         ops=frozenset({"invalidate", "reset", "stats"}),
     )
     block_size = 16
+    max_model_len = 256
 
     def __init__(self, pages: int, *, impl: type[Any] | None = None) -> None:
         v = _vllm()
@@ -108,7 +111,7 @@ class VLLMAdapter:
         with _block_pool_class(pool_cls):
             self.manager = manager_cls(
                 config,
-                max_model_len=256,
+                max_model_len=self.max_model_len,
                 scheduler_block_size=self.block_size,
                 hash_block_size=self.block_size,
                 enable_caching=True,
@@ -194,3 +197,41 @@ class VLLMAdapter:
 
     def reset(self) -> None:
         assert self.manager.reset_prefix_cache(), "reset_prefix_cache refused with nothing running"
+
+
+class VLLMPluginAdapter(VLLMAdapter):
+    """vLLM's `KVCacheManager` with ``prefixflight.vllm``'s free queue in its pool, ordered
+    by prefixflight's ``policy`` (as ``--additional-config '{"prefixflight": {"eviction":
+    POLICY}}'`` runs it); checked against the reference engine running that policy's plain
+    model. A subclass declares the policy (`VLLMPluginLRU`, `VLLMPluginS3FIFO`)."""
+
+    def __init__(self, pages: int, *, impl: type[Any] | None = None) -> None:
+        super().__init__(pages, impl=impl)
+        plugin = import_module("prefixflight.vllm")
+        settings = plugin.EvictionSettings(policy=self.semantics.policy)
+        pool = self.manager.block_pool
+        self.queue = plugin.install(
+            pool,
+            settings.build(pool.num_gpu_blocks - 1),
+            refresh_on_free=settings.refresh_on_free,
+        )
+
+
+class VLLMPluginLRU(VLLMPluginAdapter):
+    """``prefixflight.vllm`` with ``"eviction": "lru"``: stock vLLM's order, but a block's
+    recency is its hash's (its last release, of any copy) and redundant copies go first."""
+
+    semantics = attrs.evolve(
+        VLLMAdapter.semantics,
+        policy="lru",
+        pins="release-is-use",
+        orphans="removed",
+        invalidated="reused-first",
+    )
+
+
+class VLLMPluginS3FIFO(VLLMPluginAdapter):
+    """``prefixflight.vllm`` with ``"eviction": "s3fifo"``: frequency from hits, the ghost
+    keyed by block hash; a release is not an access."""
+
+    semantics = attrs.evolve(VLLMPluginLRU.semantics, policy="s3fifo", pins="ours")
