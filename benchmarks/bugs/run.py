@@ -36,11 +36,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-import tomllib
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: benchmarks.harness
+from benchmarks import harness
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pytest and mypy depend on tomli there
+    import tomli as tomllib
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
-ROOTS = ("core", "specs", "backends", "serve")
+ROOT = harness.ROOT
 
 
 def load(path: Path = HERE / "cases.toml") -> dict[str, Any]:
@@ -83,11 +88,12 @@ class Releases:
     def get(self, engine: str, release: str, log: Any) -> tuple[Path, list[Path]]:
         """(python, source roots) for ``engine`` at ``release``, building it if needed."""
         spec = self.engines[engine]
-        roots = [ROOT / r for r in ROOTS]
+        roots = harness.source_roots()
         if spec.get("source") == "git":
             if release == "HEAD":
                 return self.peers_python, roots
-            return self.peers_python, [*roots[:3], self._commit(release, log) / "serve"]
+            old = self._commit(release, log) / "serve"  # the commit's serve root, in its place
+            return self.peers_python, [old if r.name == "serve" else r for r in roots]
         if release == spec.get("peers"):
             return self.peers_python, roots
         return self._venv(spec["package"], release, spec.get("extra", []), log), roots
@@ -263,9 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         doc["recall"] = recall(data["case"], doc["runs"])
         if "command" in doc:
             doc["commands"] = [doc.pop("command")]
-        doc.setdefault("commands", []).append(
-            "benchmarks/bugs/run.py " + " ".join(argv if argv is not None else sys.argv[1:])
-        )  # fmt: skip
+        doc.setdefault("commands", []).append(harness.command(argv))
         args.json.write_text(json.dumps(doc, indent=2) + "\n")
     return 0 if all(r["ok"] for r in rows) else 1
 

@@ -15,8 +15,12 @@ import pytest
 
 from .conftest import ROOT, peers_env
 
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pytest depends on tomli there
+    import tomli as tomllib
+
 RUN = ROOT / "benchmarks" / "bugs" / "run.py"
-tomllib = pytest.importorskip("tomllib", reason="cases.toml is read with tomllib (Python 3.11+)")
 
 
 def _cases() -> dict[str, Any]:
