@@ -62,7 +62,7 @@ _ENGINES: dict[str, tuple[dict[str, list[str]], dict[str, str]]] = {
         {"NoRemoveS3FIFO": "after remove(", "StaleLRU": "the implementation"},
     ),
     "dynamo": (
-        {"index": ["order", "removals", "copies"]},
+        {"index DynamoIndexAdapter": ["order", "removals", "copies"]},
         {
             "adapter:RemovalDroppingIndex": "the index predicts 1 cached blocks of a, the "
             "engine has 0",

@@ -9,6 +9,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import attrs
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
@@ -83,6 +84,41 @@ def test_broken_page_pools_are_caught(pool_cls: type[PagePool], says: str) -> No
     assert says in str(err)
     notes = "\n".join(getattr(err, "__notes__", ()))
     assert "start(pages=" in notes and "state.admit(" in notes  # the shrunk sequence
+
+
+class _Counted(PagePoolAdapter):
+    """Our pool with hit-rate accounting: an admitted request counts once, a refused one not
+    at all."""
+
+    semantics = attrs.evolve(PagePoolAdapter.semantics, ops={"stats"})
+    at_lookup = False
+
+    def __init__(self, pages: int) -> None:
+        super().__init__(pages)
+        self.counted = (0, 0)
+
+    def admit(self, rid: str, tokens: Sequence[int]) -> int | None:
+        hit = super().admit(rid, tokens)
+        if hit is not None or self.at_lookup:
+            self.counted = (self.counted[0] + len(tokens), self.counted[1] + (hit or 0))
+        return hit
+
+    def hit_stats(self) -> tuple[int, int]:
+        return self.counted
+
+
+class _CountedAtLookup(_Counted):
+    """Counts every lookup, also a refused request's (vLLM before 0.27 counted a request
+    each time the scheduler looked it up, so one retried after an allocation failure counted
+    twice)."""
+
+    at_lookup = True
+
+
+def test_hit_rate_accounting_counts_admitted_requests_once() -> None:
+    run_state_machine_as_test(PrefixEngineConformance.for_adapter(_Counted), settings=_CATCH)
+    err = _caught(PrefixEngineConformance.for_adapter(_CountedAtLookup))
+    assert "hit-rate accounting counts" in str(err) and "refused" in "\n".join(err.__notes__)
 
 
 def test_a_wrong_declaration_is_caught() -> None:

@@ -80,9 +80,11 @@ class EngineAdapter(Protocol):
     """An engine's prefix cache behind the calls the machine makes.
 
     Required: ``block_size``, ``admit``, ``finish``, ``pool``. The optional operations
-    (``evict``, ``invalidate``, ``reset``) are called only when the semantics' ``ops``
-    declare them, and ``events`` only with ``evictions="reported"``; ``check_invariants`` and
-    ``close`` are called when present.
+    (``evict``, ``invalidate``, ``reset``, and ``hit_stats`` for ``"stats"``) are called only
+    when the semantics' ``ops`` declare them, and ``events`` only with
+    ``evictions="reported"``; ``check_invariants`` and ``close`` are called when present.
+    ``hit_stats()`` returns ``(queried, hit)``: the prompt tokens the engine's own hit-rate
+    accounting has counted as looked up and as hit so far.
     """
 
     block_size: int

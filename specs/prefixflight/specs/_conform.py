@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import secrets
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -23,7 +24,7 @@ from typing import Any
 import attrs
 from hypothesis import HealthCheck, Phase, seed, settings
 from hypothesis import strategies as st
-from hypothesis.errors import Flaky
+from hypothesis.errors import Flaky, HypothesisException
 from hypothesis.stateful import run_state_machine_as_test
 
 from prefixflight.core import UsageError
@@ -114,6 +115,10 @@ class CheckResult:
     passed: bool
     message: str | None = None
     example: tuple[str, ...] = ()
+    found_after_examples: int | None = None
+    """Examples begun (discarded ones included) up to the first that failed, before
+    shrinking; ``None`` when none failed."""
+    found_after_seconds: float | None = None
 
 
 @attrs.frozen
@@ -140,7 +145,7 @@ def _rules(machine: type[Any]) -> tuple[str, ...]:
     if isinstance(sem, SchedulerSemantics):
         return ("add", "add_identical", "schedule", "complete", "step", "abort", "drain")
     if isinstance(sem, EngineSemantics):
-        return ("admit", "finish", *sorted(sem.ops))
+        return ("admit", "finish", *sorted(sem.ops - {"stats"}))  # stats: a check, no rule
     if isinstance(sem, IndexSemantics):
         return ("admit", "finish", "evict", "reset")
     assert isinstance(sem, PolicySemantics)
@@ -155,8 +160,42 @@ def _rules(machine: type[Any]) -> tuple[str, ...]:
 _NOISE = ("state.agrees_with_reference()", "state.teardown()", "Failing test case")
 
 
-def _run(machine: type[Any], examples: int, steps: int, seed_: int) -> tuple[str | None, list[str]]:
-    seeded = seed(seed_)(type(machine.__name__, (machine,), {}))
+@attrs.define
+class _Detection:
+    """How far a run got before its first failing example: examples begun (discarded ones
+    included) and seconds, up to and including the first that failed."""
+
+    made: int = 0
+    examples: int | None = None
+    seconds: float | None = None
+    t0: float = attrs.field(factory=time.perf_counter)
+
+
+def _counted(machine: type[Any], found: _Detection) -> type[Any]:
+    """``machine`` noting in ``found`` the first example that fails (before shrinking)."""
+
+    def __init__(self: Any) -> None:
+        found.made += 1
+        machine.__init__(self)
+
+    def teardown(self: Any) -> None:
+        try:
+            machine.teardown(self)
+        finally:  # Hypothesis tears an example down in a finally: a failure is propagating
+            exc = sys.exc_info()[1]
+            failed = isinstance(exc, Exception) and not isinstance(exc, HypothesisException)
+            if failed and found.examples is None:
+                found.examples = found.made
+                found.seconds = round(time.perf_counter() - found.t0, 3)
+
+    body = {"__init__": __init__, "teardown": teardown}
+    return type(machine.__name__, (machine,), body)
+
+
+def _run(
+    machine: type[Any], examples: int, steps: int, seed_: int, found: _Detection | None = None
+) -> tuple[str | None, list[str]]:
+    seeded = seed(seed_)(_counted(machine, found or _Detection()))
     try:
         run_state_machine_as_test(
             seeded,
@@ -256,8 +295,9 @@ def conform(
             log(f"{label} {check.name}: {machine.__name__}, {examples} examples of up to "
                 f"{steps} steps, seed {run_seed}")  # fmt: skip
         t0 = time.perf_counter()
+        found = _Detection()
         try:
-            message, example = _run(machine, examples, steps, run_seed)
+            message, example = _run(machine, examples, steps, run_seed, found)
         except ImportError as exc:
             raise UsageError(_not_installed(label, exc)) from None
         results.append(
@@ -279,6 +319,8 @@ def conform(
                 passed=message is None,
                 message=message,
                 example=tuple(example),
+                found_after_examples=None if message is None else found.examples,
+                found_after_seconds=None if message is None else found.seconds,
             )
         )
     return ConformReport(label, tuple(results))

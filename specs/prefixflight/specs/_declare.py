@@ -136,7 +136,9 @@ class EngineSemantics:
 
     ``ops``: the optional operations the adapter supports: ``"evict"`` (free at least ``n``
     pages of unused cached blocks), ``"invalidate"`` (drop one block), ``"reset"`` (drop
-    everything while nothing runs).
+    everything while nothing runs), ``"stats"`` (``hit_stats()``: the prompt tokens the
+    engine reports as looked up and as hit, which must count every admitted request once
+    and a refused one not at all).
 
     ``policy``: ``None`` -- the engine's own LRU over pages, as ``touch`` and ``pins``
     declare; or the name of a prefixflight eviction policy (``"lru"``, ``"s3fifo"``, ...) that
@@ -179,7 +181,9 @@ class EngineSemantics:
         default="observed", validator=_one_of("observed", "reported")
     )
     ops: frozenset[str] = attrs.field(
-        default=frozenset(), converter=_frozen, validator=_ops("evict", "invalidate", "reset")
+        default=frozenset(),
+        converter=_frozen,
+        validator=_ops("evict", "invalidate", "reset", "stats"),
     )
     policy: str | None = attrs.field(
         default=None, validator=attrs.validators.optional(_one_of(*POLICY_MACHINES))

@@ -19,7 +19,10 @@ the machine checks, naming the step and both views when they differ:
   no block a running request holds was evicted;
 - chain safety where the engine promises it: every cached block's parent is cached;
 - with ``evictions="reported"``: a mirror rebuilt from the adapter's KV events alone equals
-  the cache, copy for copy.
+  the cache, copy for copy;
+- with ``"stats"`` in ``ops``: the engine's own hit-rate accounting (``hit_stats()``) has
+  counted the prompt tokens and hit tokens of every admitted request once, and nothing of a
+  refused one.
 
 Prompts are chains of 16-token chunks drawn from a four-letter alphabet, plus a partial
 tail; messages name a block by its chunks (``a.b.c``) and a prompt by chunks and tail
@@ -64,6 +67,7 @@ ENGINE_CALLS: dict[str, tuple[str, ...]] = {
     "invalidate": ("invalidate",),
     "reset": ("reset",),
     "events": ("events",),
+    "stats": ("hit_stats",),
 }
 """The calls an engine adapter must have: always (``""``), and per declared operation
 (``events``: when it declares ``evictions="reported"``)."""
@@ -128,6 +132,8 @@ class PrefixEngineConformance(RuleBasedStateMachine):
         self.next_id = 0
         self.step = "start"
         self.mirror: Counter[Key] = Counter()
+        self.queried = 0  # prompt tokens of the admitted requests
+        self.hit = 0  # their hit tokens
 
     # -- set-up --------------------------------------------------------------------------
     @initialize(data=st.data())
@@ -193,6 +199,9 @@ class PrefixEngineConformance(RuleBasedStateMachine):
             f"(cached: {self._labels(self.ref.resident())}, free pages: "
             f"{self.ref.free_pages()})"
         )
+        if got is not None:
+            self.queried += len(tokens)
+            self.hit += got
 
     @precondition(lambda self: self.ref is not None and bool(self.ref.runs))
     @rule(data=st.data())
@@ -302,6 +311,13 @@ class PrefixEngineConformance(RuleBasedStateMachine):
             assert self.mirror == got_copies, (
                 f"{after}: the KV events say {self._copies(self.mirror)}, the cache holds "
                 f"{self._copies(got_copies)}"
+            )
+        if self._ops("stats"):
+            queried, hit = self.engine.hit_stats()
+            assert (queried, hit) == (self.queried, self.hit), (
+                f"{after}: the engine's hit-rate accounting counts {queried} tokens looked up "
+                f"and {hit} hit; its admitted requests looked up {self.queried} and hit "
+                f"{self.hit} (each admitted request counts once, a refused one not at all)"
             )
         check = getattr(self.engine, "check_invariants", None)
         if callable(check):

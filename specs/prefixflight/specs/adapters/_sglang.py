@@ -2,16 +2,17 @@
 `PrefixEngineConformance`.
 
 Runs in an environment with SGLang (``benchmarks/peers/setup.sh`` builds one; SGLang 0.5.23
-was checked), imported when an adapter is made. The adapter plays SGLang's scheduler around
-the tree: ``match_prefix`` of the prompt without its last token and ``inc_lock_ref`` on
-admission, ``evict`` of the shortfall when the free pages do not cover the request (refused
-when free plus evictable pages do not), and on completion ``insert`` of the prompt's full
-pages, freeing the pages of blocks another request inserted first (as
-``RadixCache._insert_cache`` does) and of the partial tail, then ``dec_lock_ref``.
+was checked, and the releases from 0.5.11 on run), imported when an adapter is made. The
+adapter plays SGLang's scheduler around the tree: ``match_prefix`` of the prompt without its
+last token and ``inc_lock_ref`` on admission, ``evict`` of the shortfall when the free pages
+do not cover the request (refused when free plus evictable pages do not), and on completion
+``insert`` of the prompt's full pages, freeing the pages of blocks another request inserted
+first (as ``RadixCache._insert_cache`` does) and of the partial tail, then ``dec_lock_ref``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.abc
 import importlib.machinery
@@ -93,16 +94,19 @@ class _Allocator:
 
     def __init__(self, pages: int, page_size: int) -> None:
         self.page_size = page_size
-        self.free: set[int] = set(range(pages))
+        self.free_pages: set[int] = set(range(pages))
 
     def free_segment(self, values: Any, start_pos: int = 0) -> None:
         pages = {int(v) // self.page_size for v in values.tolist()}
-        assert not pages & self.free, f"pages {sorted(pages & self.free)} freed twice"
-        self.free |= pages
+        assert not pages & self.free_pages, f"pages {sorted(pages & self.free_pages)} freed twice"
+        self.free_pages |= pages
+
+    def free(self, values: Any) -> None:  # the tree's call before SGLang 0.5.17
+        self.free_segment(values)
 
     def take(self, n: int) -> list[int]:
-        got = sorted(self.free)[:n]
-        self.free.difference_update(got)
+        got = sorted(self.free_pages)[:n]
+        self.free_pages.difference_update(got)
         return got
 
 
@@ -127,14 +131,16 @@ class SGLangAdapter:
         self._s = s
         self.pages = pages
         self.allocator = _Allocator(pages, self.block_size)
-        params = s["CacheInitParams"](
+        init = s["CacheInitParams"]
+        fields = {f.name for f in dataclasses.fields(init)}
+        optional = {"dynamo_kv_event_format": False, "kv_event_lora_names": None}  # 0.5.22+
+        params = init(
             disable=False,
             req_to_token_pool=None,
             token_to_kv_pool_allocator=self.allocator,
             page_size=self.block_size,
             enable_kv_cache_events=False,
-            dynamo_kv_event_format=False,
-            kv_event_lora_names=None,
+            **{k: v for k, v in optional.items() if k in fields},
         )
         self.tree = (impl or s["RadixCache"])(params)
         self._reqs: dict[str, tuple[list[int], list[int], int, Any]] = {}
@@ -146,17 +152,20 @@ class SGLangAdapter:
         s, tree, bs = self._s, self.tree, self.block_size
         n = len(tokens)
         match = tree.match_prefix(s["MatchPrefixParams"](key=self._key(tokens[: n - 1])))
-        hit = int(match.device_prefix_len)
+        if hasattr(match, "device_prefix_len"):
+            hit = int(match.device_prefix_len)
+        else:  # before 0.5.22: the matched indices themselves
+            hit = len(match.device_indices)
         node = match.last_device_node
         tree.inc_lock_ref(node)
         need = -(-n // bs) - hit // bs
-        if need > len(self.allocator.free) + tree.evictable_size() // bs:
+        if need > len(self.allocator.free_pages) + tree.evictable_size() // bs:
             tree.dec_lock_ref(node)
             return None
-        short = need - len(self.allocator.free)
+        short = need - len(self.allocator.free_pages)
         if short > 0:
             tree.evict(s["EvictParams"](num_tokens=short * bs))
-        hit_pages = [int(v) // bs for v in tree.path_device_indices(node).tolist()[::bs]]
+        hit_pages = [int(v) // bs for v in self._path_values(node)[::bs]]
         self._reqs[rid] = (list(tokens), hit_pages + self.allocator.take(need), hit, node)
         return hit
 
@@ -173,15 +182,24 @@ class SGLangAdapter:
         )
         done = int(result.prefix_len) // bs  # blocks the tree held before this insert
         for p in pages[hit // bs : done] + pages[full:]:  # duplicates, then the partial tail
-            self.allocator.free.add(p)
+            self.allocator.free_pages.add(p)
         tree.dec_lock_ref(node)
+
+    def _path_values(self, node: Any) -> list[int]:
+        """The KV slots of the path from the root to ``node`` (SGLang's
+        ``path_device_indices``, which releases before 0.5.22 lack)."""
+        values: list[int] = []
+        while node is not self.tree.root_node:
+            values[:0] = node.value.tolist()
+            node = node.parent
+        return values
 
     def evict(self, pages: int) -> None:
         self.tree.evict(self._s["EvictParams"](num_tokens=pages * self.block_size))
 
     def reset(self) -> None:
         self.tree.reset()
-        self.allocator.free = set(range(self.pages))
+        self.allocator.free_pages = set(range(self.pages))
 
     def pool(self) -> PoolView:
         bs = self.block_size
@@ -197,7 +215,7 @@ class SGLangAdapter:
                     cached[int(values[i * bs]) // bs] = path[: len(prefix) + (i + 1) * bs]
                 stack.append((child, path))
         held = {rid: frozenset(pages) for rid, (_, pages, _, _) in self._reqs.items()}
-        return PoolView(frozenset(self.allocator.free), cached, held)
+        return PoolView(frozenset(self.allocator.free_pages), cached, held)
 
     def check_invariants(self) -> None:
         tree = self.tree

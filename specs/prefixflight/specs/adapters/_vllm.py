@@ -5,7 +5,8 @@ checked); vLLM is imported when an adapter is made, never when this module is. O
 full-attention group, block size 16, prefix caching and KV events on; requests are
 ``vllm.v1.request.Request`` objects hashed with vLLM's own sha256 block hasher; a request is
 admitted with ``get_computed_blocks`` + ``allocate_slots`` (its whole prompt, as the
-scheduler schedules a prefill that fits) and ends with ``free``.
+scheduler schedules a prefill that fits; then ``record_prefix_cache_stats``, as the scheduler
+does since vLLM 0.27) and ends with ``free``.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ class VLLMAdapter:
         duplicates="kept",
         invalidated="in-place",
         evictions="reported",
-        ops=frozenset({"invalidate", "reset"}),
+        ops=frozenset({"invalidate", "reset", "stats"}),
     )
     block_size = 16
     max_model_len = 256
@@ -115,11 +116,14 @@ class VLLMAdapter:
                 hash_block_size=self.block_size,
                 enable_caching=True,
                 enable_kv_cache_events=True,
+                log_stats=True,
             )
         self.pages = pages
         self._keys: dict[Any, Key] = {}  # vLLM block hash -> key
         self._external: dict[Any, Key] = {}  # the hash KV events carry -> key
         self._requests: dict[str, Any] = {}
+        self._queried = 0
+        self._hit = 0
 
     def _request(self, rid: str, tokens: Sequence[int]) -> Any:
         v = _vllm()
@@ -139,6 +143,9 @@ class VLLMAdapter:
         got = self.manager.allocate_slots(req, req.num_tokens - computed, computed, blocks)
         if got is None:
             return None
+        record = getattr(self.manager, "record_prefix_cache_stats", None)
+        if record is not None:  # since 0.27 the scheduler records a request once it allocates
+            record(req, computed)
         self._requests[rid] = req
         return int(computed)
 
@@ -169,6 +176,15 @@ class VLLMAdapter:
             elif isinstance(event, ev.AllBlocksCleared):
                 out.append(("cleared", None))
         return out
+
+    def hit_stats(self) -> tuple[int, int]:
+        """The prompt tokens vLLM's prefix-cache stats counted as queried and as hit (what
+        its hit-rate metric reads), summed over ``make_prefix_cache_stats`` calls."""
+        stats = self.manager.make_prefix_cache_stats()
+        if stats is not None:
+            self._queried += stats.queries
+            self._hit += stats.hits
+        return self._queried, self._hit
 
     def invalidate(self, key: Key) -> None:
         """`KVCacheManager.evict_blocks` of every block caching ``key``."""
