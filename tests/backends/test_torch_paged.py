@@ -70,13 +70,16 @@ def run_mixed(
     rng: random.Random,
     device: str = "cpu",
     fused: bool = True,
+    leaders: int = 1,
 ) -> dict[int, list[int]]:
     """Run both paths over the same mixed plans; return the greedy tokens per request.
 
-    Request 0 is prefilled alone first. Every other request reuses request 0's full pages
-    over their common prefix and prefills the rest in random chunks, in the same plans as
-    the decodes of the requests already running (so rows of different context lengths,
-    chunk sizes and cached prefixes share passes). Asserts equality at every step.
+    The first ``leaders`` requests are prefilled alone first, one step each. Every other
+    request reuses the full pages of the leader it shares the longest prefix with (the
+    groups of a GRPO burst, with ``leaders`` groups) and prefills the rest in random chunks,
+    in the same plans as the decodes of the requests already running (so rows of different
+    context lengths, chunk sizes and cached prefixes share passes). Asserts equality at
+    every step.
     """
     ps = page_size
     per = -(-(max(map(len, prompts)) + new_tokens) // ps)
@@ -93,14 +96,20 @@ def run_mixed(
     tables: dict[int, tuple[int, ...]] = {}
     done: dict[int, int] = {}  # prompt tokens computed so far
     out: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
-    tables[0] = tuple(free[:per])
-    del free[:per]
-    for i, p in enumerate(prompts[1:], start=1):
-        common = 0
-        while common < min(len(p), len(prompts[0])) and p[common] == prompts[0][common]:
-            common += 1
-        reused = min(common, len(p) - 1) // ps
-        tables[i] = tables[0][:reused] + tuple(free[: per - reused])
+    for i in range(leaders):
+        tables[i] = tuple(free[:per])
+        del free[:per]
+
+    def common(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return n
+
+    for i, p in enumerate(prompts[leaders:], start=leaders):
+        lead = max(range(leaders), key=lambda j: common(p, prompts[j]))
+        reused = min(common(p, prompts[lead]), len(p) - 1) // ps
+        tables[i] = tables[lead][:reused] + tuple(free[: per - reused])
         del free[: per - reused]
         done[i] = reused * ps
 
@@ -116,9 +125,12 @@ def run_mixed(
         for rid, tok in a.sampled:
             out[int(rid)].append(tok)
 
-    first = PrefillWork(request_id=0, token_ids=prompts[0], start=0, pages=tables[0], sample=True)
-    step(0, [first], [])
-    n = 1
+    for i in range(leaders):
+        first = PrefillWork(
+            request_id=i, token_ids=prompts[i], start=0, pages=tables[i], sample=True
+        )
+        step(i, [first], [])
+    n = leaders
     while any(len(toks) < new_tokens for toks in out.values()):
         prefills, decodes = [], []
         for i, p in enumerate(prompts):
@@ -182,6 +194,43 @@ def test_paged_equals_gather_on_mixed_steps(
         new_tokens=new_tokens,
         rng=random.Random(seed),
         fused=fused,
+    )
+    assert all(len(toks) == new_tokens for toks in out.values())
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    prefixes=st.lists(
+        st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=30).map(tuple),
+        min_size=2,
+        max_size=4,
+    ),
+    tails=st.lists(st.lists(prompt_st, min_size=1, max_size=3), min_size=4, max_size=4),
+    page_size=st.integers(1, 8),
+    new_tokens=st.integers(1, 5),
+    seed=st.integers(0, 2**16),
+)
+def test_groups_of_rows_over_their_own_shared_pages_equal_gather(
+    tiny_model: Any,
+    prefixes: list[tuple[int, ...]],
+    tails: list[list[tuple[int, ...]]],
+    page_size: int,
+    new_tokens: int,
+    seed: int,
+) -> None:
+    """Several groups of rows, each over its own leader's pages (a GRPO burst): decodes
+    and short chunks attend together, each group's shared pages read once for the group,
+    and every step equals the gather reference."""
+    leaders = [prefix + tails[g][0] for g, prefix in enumerate(prefixes)]
+    rest = [prefix + tail for g, prefix in enumerate(prefixes) for tail in tails[g][1:]]
+    out = run_mixed(
+        tiny_model,
+        leaders + rest,
+        page_size=page_size,
+        long_chunk=64,
+        new_tokens=new_tokens,
+        rng=random.Random(seed),
+        leaders=len(leaders),
     )
     assert all(len(toks) == new_tokens for toks in out.values())
 

@@ -80,23 +80,30 @@ class _Batch:
     """Rows attended together: their queries padded to ``[rows, q]`` (right-aligned), one
     page-granular gather, one batched product, an additive mask.
 
-    The pages every row's table starts with (a shared system prompt, the prompt of a group
-    of identical requests), up to the first query of any row, are `shared`: every query
-    sees all of them, so they are read once for all rows (a slice of the pool when they are
-    consecutive, else one gather) and multiplied with all rows' queries in one product; only
-    the rest of each row's pages is gathered per row. Both parts' scores go through one
-    softmax, so the result is the same attention.
+    Rows whose tables start with the same page form a group (the requests of a GRPO group,
+    or every chat sharing a system prompt): the pages all of a group's tables start with, up
+    to the first query of any of its rows, are its `shared` pages (rows in no group, none). Every query of the group
+    sees all of them, so they are read once per group (a slice of the pool when there is one
+    group and its pages are consecutive, else one gather for all groups) and multiplied with
+    all the group's queries in one product, every group in the same batched product (groups
+    padded to the largest, their shared keys to the longest, masked); only the rest of each
+    row's pages is gathered per row. Both parts' scores go through one softmax, so the
+    result is the same attention.
     """
 
     __slots__ = (
         "allowed",
         "bias",
+        "group_rows",
+        "groups",
         "index",
         "pages",
         "q",
         "real",
+        "row_slots",
         "rows",
         "shared",
+        "shared_bias",
         "shared_pages",
         "shared_span",
     )
@@ -112,31 +119,77 @@ class _Batch:
         self.rows = len(rows)
         self.q = q = max(n for _, n in rows)
         self.index = index  # the rows' tokens among the step's (None: all of them, in order)
-        first = tables[0]
-        shared = 0
-        if self.rows > 1:
-            limit = min(min(start for start, _ in rows) // page_size, *map(len, tables))
-            while shared < limit and all(t[shared] == first[shared] for t in tables):
-                shared += 1
-        self.shared = shared
+        by_first: dict[int, list[int]] = {}
+        for i, t in enumerate(tables):
+            by_first.setdefault(t[0], []).append(i)
+        groups = [members for members in by_first.values() if len(members) > 1]
+        counts = [0] * len(groups)  # shared pages per group
+        for g, members in enumerate(groups):
+            first = tables[members[0]]
+            limit = min(
+                min(rows[i][0] for i in members) // page_size,
+                *(len(tables[i]) for i in members),
+            )
+            while counts[g] < limit and all(
+                tables[i][counts[g]] == first[counts[g]] for i in members
+            ):
+                counts[g] += 1
+        shared = max(counts, default=0)
+        alone = [m[0] for m in by_first.values() if len(m) == 1]
+        if shared and alone:  # rows in no group: one more, with no shared pages
+            groups.append(alone)
+            counts.append(0)
+        of_row = [0] * self.rows  # each row's shared pages
+        for g, members in enumerate(groups):
+            for i in members:
+                of_row[i] = counts[g]
+        self.shared = shared  # shared pages of the longest group (0: none)
+        self.groups = len(groups)
         self.shared_span: int | None = None
         self.shared_pages: torch.Tensor | None = None
+        self.shared_bias: dict[torch.dtype, torch.Tensor] = {}
+        # groups padded to the largest: slot g * most + k is row groups[g][k] (a padding
+        # slot repeats the group's first row; its output is never read)
+        self.group_rows: torch.Tensor | None = None
+        self.row_slots: torch.Tensor | None = None
         if shared:
-            if all(b == a + 1 for a, b in itertools.pairwise(first[:shared])):
-                self.shared_span = first[0] * page_size
+            if len(groups) == 1 and all(
+                b == a + 1 for a, b in itertools.pairwise(tables[0][:shared])
+            ):
+                self.shared_span = tables[0][0] * page_size
             else:
-                self.shared_pages = torch.tensor(first[:shared], dtype=torch.long, device=dev)
-        width = max(len(t) for t in tables) - shared
-        rest = [[*t[shared:]] + [0] * (width - len(t) + shared) for t in tables]
+                padded = [
+                    [*tables[m[0]][:c]] + [0] * (shared - c)
+                    for m, c in zip(groups, counts, strict=True)
+                ]
+                self.shared_pages = torch.tensor(padded, dtype=torch.long, device=dev).view(-1)
+            most = max(map(len, groups))
+            slots = [m[k] if k < len(m) else m[0] for m in groups for k in range(most)]
+            where = [0] * self.rows
+            for g, members in enumerate(groups):
+                for k, i in enumerate(members):
+                    where[i] = g * most + k
+            if slots != list(range(self.rows)):  # else: one group, rows in order
+                self.group_rows = torch.tensor(slots, dtype=torch.long, device=dev)
+                self.row_slots = torch.tensor(where, dtype=torch.long, device=dev)
+            if min(counts) < shared:  # a group's keys past its shared pages are masked
+                cols = torch.arange(shared * page_size, device=dev)
+                seen = torch.tensor(counts, device=dev).unsqueeze(-1) * page_size
+                self.shared_bias[torch.bool] = (cols.unsqueeze(0) < seen).view(
+                    1, len(groups), 1, shared * page_size
+                )
+        width = max(len(t) - c for t, c in zip(tables, of_row, strict=True))
+        rest = [[*t[c:]] + [0] * (width - len(t) + c) for t, c in zip(tables, of_row, strict=True)]
         self.pages = torch.tensor(rest, dtype=torch.long).view(-1).to(dev)
         lengths = [n for _, n in rows]
         self.real = _real(lengths, q, dev) if any(n != q for n in lengths) else None
         # query positions [rows, q]; a padding query gets position 0 (it sees key 0, shared
         # or its row's first page, so no row of scores is empty; its output is dropped)
         qpos = [[0] * (q - n) + list(range(start, start + n)) for start, n in rows]
-        keys = torch.arange(shared * page_size, (shared + width) * page_size, device=dev)
+        columns = torch.arange(width * page_size, device=dev)
+        keys = columns + torch.tensor(of_row, device=dev).unsqueeze(-1) * page_size  # [rows, W]
         qp = torch.tensor(qpos, dtype=torch.long, device=dev)
-        self.allowed = keys.view(1, 1, -1) <= qp.unsqueeze(-1)  # [rows, q, W]
+        self.allowed = keys.unsqueeze(1) <= qp.unsqueeze(-1)  # [rows, q, W]
         self.bias: dict[torch.dtype, torch.Tensor] = {}
 
     def bias_of(self, dtype: torch.dtype) -> torch.Tensor:
@@ -146,6 +199,18 @@ class _Batch:
             bias = torch.zeros(self.allowed.shape, dtype=dtype, device=self.allowed.device)
             bias.masked_fill_(~self.allowed, float("-inf"))
             bias = self.bias[dtype] = bias.unsqueeze(0).unsqueeze(2)
+        return bias
+
+    def shared_bias_of(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The additive mask ``[1, groups, 1, shared keys]`` of the groups' shared keys
+        (None: every group has them all), built once per dtype."""
+        seen = self.shared_bias.get(torch.bool)
+        if seen is None:
+            return None
+        bias = self.shared_bias.get(dtype)
+        if bias is None:
+            bias = torch.zeros(seen.shape, dtype=dtype, device=seen.device)
+            bias = self.shared_bias[dtype] = bias.masked_fill_(~seen, float("-inf"))
         return bias
 
     def pad(self, flat: torch.Tensor) -> torch.Tensor:
@@ -397,23 +462,43 @@ class PagedStep:
             out = torch.bmm(probs, values).view(kv_heads, rows, group, q, dim)
             return batch.unpad(out.permute(1, 3, 0, 2, 4).reshape(rows, q, heads, dim))
         wide = batch.shared * ps
+        groups = max(batch.groups, 1)
         if batch.shared_span is not None:
             first = batch.shared_span
             s_keys, s_values = k_pool[:, first : first + wide], v_pool[:, first : first + wide]
         else:
             assert batch.shared_pages is not None
-            s_keys = _gather(k_pool, batch.shared_pages, ps)
+            s_keys = _gather(k_pool, batch.shared_pages, ps)  # [kv_heads, groups * wide, D]
             s_values = _gather(v_pool, batch.shared_pages, ps)
-        s_keys, s_values = s_keys.to(dt), s_values.to(dt)
+        s_keys = s_keys.to(dt).reshape(kv_heads * groups, wide, dim)
+        s_values = s_values.to(dt).reshape(kv_heads * groups, wide, dim)
+        per_row = qg.view(kv_heads, rows, group * q, dim)
+        if batch.group_rows is not None:  # rows to their groups' slots
+            per_row = per_row.index_select(1, batch.group_rows)
+        slots = per_row.shape[1]
+        shared = torch.bmm(per_row.reshape(kv_heads * groups, -1, dim), s_keys.transpose(1, 2))
+        s_bias = batch.shared_bias_of(dt)
+        if s_bias is not None:
+            shared.view(kv_heads, groups, -1, wide).add_(s_bias)
+        shared = shared.view(kv_heads, slots, group * q, wide)
+        if batch.row_slots is not None:  # and back
+            shared = shared.index_select(1, batch.row_slots)
         scores = torch.cat(
             (
-                torch.bmm(qg, s_keys.transpose(1, 2)).view(kv_heads, rows * group * q, wide),
+                shared.reshape(kv_heads, rows * group * q, wide),
                 own.view(kv_heads, rows * group * q, width),
             ),
             dim=-1,
         )
         probs = torch.softmax(scores, dim=-1)
-        out = torch.bmm(probs[..., :wide], s_values).view(kv_heads * rows, group * q, dim)
+        p_shared = probs[..., :wide].view(kv_heads, rows, group * q, wide)
+        if batch.group_rows is not None:
+            p_shared = p_shared.index_select(1, batch.group_rows)
+        out = torch.bmm(p_shared.reshape(kv_heads * groups, -1, wide), s_values)
+        out = out.view(kv_heads, slots, group * q, dim)
+        if batch.row_slots is not None:
+            out = out.index_select(1, batch.row_slots)
+        out = out.reshape(kv_heads * rows, group * q, dim)
         out.baddbmm_(probs[..., wide:].reshape(kv_heads * rows, group * q, width), values)
         out = out.view(kv_heads, rows, group, q, dim)
         return batch.unpad(out.permute(1, 3, 0, 2, 4).reshape(rows, q, heads, dim))
