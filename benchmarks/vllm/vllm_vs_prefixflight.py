@@ -5,7 +5,7 @@ their defaults on this CPU (bf16 where the CPU has native bf16), with 2 threads 
 CPU (``python -m vllm.entrypoints.openai.api_server --dtype bfloat16
 --enable-prompt-tokens-details``, ``VLLM_CPU_OMP_THREADS_BIND=0-1``,
 ``VLLM_CPU_KVCACHE_SPACE=1``; its defaults: block 128, chunked prefill with a 2,048-token
-step, torch.compile) and ``prefixflight serve --threads 2`` (block 16, a 1,024-token step).
+step, torch.compile) and ``prefixflight serve --threads 2`` (block 16, a 2,048-token step).
 One server runs at a time; a round starts each server, runs every workload on it and stops
 it, and the order alternates from round to round, so both see the same machine. Every
 number is the median over rounds; ratios are ours / vLLM's.
@@ -613,7 +613,7 @@ def main() -> None:
                 "2048-token steps, torch.compile)"
                 + (f", {args.vllm_arg}" if args.vllm_arg else ""),
                 "prefixflight": "prefixflight serve --threads 2, defaults otherwise (block 16, "
-                "1024-token steps, release policy after_prefill)"
+                "2048-token steps, release policy after_prefill)"
                 + (f", {args.prefixflight_arg}" if args.prefixflight_arg else ""),
                 "client": "openai AsyncOpenAI, streaming with include_usage, ignore_eos",
                 "load_average": load,

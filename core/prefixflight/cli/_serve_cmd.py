@@ -61,7 +61,8 @@ _BATCHING: tuple[Option, ...] = (
      "requests decoding at once (default 64: a burst of 32 runs at once)"),
     ("--max-waiting", at_least(0), 64, "N",
      "requests that may queue beyond --max-running before 429 (default 64)"),
-    ("--max-batch-tokens", at_least(1), 1024, "N", "tokens per engine step (default 1024)"),
+    ("--max-batch-tokens", at_least(1), 2048, "N",
+     "tokens per engine step (default 2048, as vLLM's: a long prompt in fewer chunks)"),
 )
 _THREADS: Option = ("--threads", at_least(1), None, "N",
                     "torch CPU threads (default: torch's choice)")
