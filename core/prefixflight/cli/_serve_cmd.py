@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import functools
 import json
 import os
 import socket
@@ -120,6 +121,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     engine.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     add_dtype_argument(engine)
     add_options(engine, [_THREADS])
+    add_kv_events_arguments(p)
+    add_access_arguments(p)
+    add_ray_arguments(p)
+    p.set_defaults(func=run, parser=p)
+
+
+def add_kv_events_arguments(p: argparse.ArgumentParser) -> None:
+    """Publishing the prefix cache's KV events (``prefixflight serve``)."""
     kv = p.add_argument_group("KV events (docs/kv-events.md)")
     kv.add_argument(
         "--kv-events",
@@ -162,9 +171,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         metavar="NAME",
         help="with --kv-events: the pod in the topic kv@POD@MODEL (default: this host's name)",
     )
-    add_access_arguments(p)
-    add_ray_arguments(p)
-    p.set_defaults(func=run, parser=p)
 
 
 def add_access_arguments(p: argparse.ArgumentParser) -> None:
@@ -328,54 +334,9 @@ def _refuse(parser: argparse.ArgumentParser, flags: list[str], scope: str) -> No
 
 
 def run(args: argparse.Namespace) -> int:
-    parser: argparse.ArgumentParser = args.parser
     if args.replicas is not None:
-        if args.model not in MODELS:
-            parser.error(f"--replicas serves --model smollm2 or tiny, got {args.model!r}")
-        single_server = [  # what the HTTP server reads, and the replicas do not
-            as_given(dest, value)
-            for dest, value in vars(args).items()
-            if dest not in (*RAY_DEFAULTS, *_NOT_HTTP_ONLY) and value != parser.get_default(dest)
-        ]
-        if single_server:
-            _refuse(
-                parser,
-                single_server,
-                f"to the HTTP server, not with --replicas {args.replicas} (the replicas take "
-                "--model and the Ray Serve flags)",
-            )
-        prepare_torch_process()
-        return run_ray(args)
-    ray_flags = ray_flags_given(args)
-    if ray_flags:
-        max_tokens = "; the HTTP server takes max_tokens from each request"
-        scope = "with --replicas N (Ray Serve replicas)"
-        _refuse(parser, ray_flags, scope + (max_tokens if args.max_tokens is not None else ""))
-    if args.model not in MODELS:
-        from prefixflight.backends._folder import check_model_folder
-
-        try:
-            check_model_folder(args.model)  # before the port is bound or anything loads
-        except UsageError as exc:
-            parser.error(f"--model {exc}")
-    if args.max_batch_tokens < args.max_running:
-        parser.error(
-            f"--max-batch-tokens ({args.max_batch_tokens}) must be >= --max-running "
-            f"({args.max_running})"
-        )
-    if args.served_model_name is not None and not args.served_model_name.strip():
-        parser.error("--served-model-name must not be empty")
-    kv_flags = (("--kv-events", args.kv_events), ("--kv-events-replay", args.kv_events_replay))
-    for flag, value in kv_flags:
-        if value is not None and "://" not in value:
-            parser.error(f"{flag} must be a ZMQ address like tcp://*:5557, got {value!r}")
-    kv_options = args.kv_events_replay or args.kv_events_pod
-    kv_options = kv_options or args.kv_events_encoding != "map" or args.kv_events_token_ids != "on"
-    if args.kv_events is None and kv_options:
-        parser.error(
-            "--kv-events-replay, --kv-events-encoding, --kv-events-token-ids and "
-            "--kv-events-pod need --kv-events"
-        )
+        return _run_replicas(args)
+    _check(args)
     keys = api_keys(args)  # a bad keys file fails before any model loads
     try:  # and a port in use before the imports (seconds) and the model load
         sock = socket.create_server((args.host, args.port))
@@ -385,61 +346,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"cannot listen on {args.host}:{args.port}: {reason}") from None
     with sock:
         http, backend = _imports()
-
-        def load() -> tuple[Any, Any, str, Any]:
-            if args.threads is not None:
-                import torch
-
-                torch.set_num_threads(args.threads)
-            eos = None
-            if args.model == "tiny":
-                model, default_name = _tiny_model()
-                codec: Any = http.CharCodec(int(model.config.vocab_size))
-                tokenizer = None
-            else:
-                if args.model == "smollm2":
-                    loaded = backend.load_smollm2(device=device, dtype=args.dtype)
-                else:
-                    loaded = backend.load_local(args.model, device=device, dtype=args.dtype)
-                model, default_name, tokenizer = loaded.model, loaded.name, loaded.tokenizer
-                eos = loaded.eos_token_ids
-                if tokenizer is None:
-                    codec = http.CharCodec(int(model.config.vocab_size))
-                    print(
-                        f"prefixflight serve: {args.model!r} has no tokenizer: text is one "
-                        "token per character (the character codec)",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                else:
-                    codec = http.HFCodec(tokenizer)
-            config = backend.EngineConfig(
-                release_policy=ReleasePolicy(args.release_policy),
-                num_pages=args.num_pages,
-                block_size=args.block_size,
-                max_batch_tokens=args.max_batch_tokens,
-                max_running=args.max_running,
-                eviction=args.eviction,
-                min_shared_blocks=args.min_shared_blocks,
-            )
-            name = args.served_model_name or default_name
-            publisher = None if args.kv_events is None else kv_publisher(args, name)
-            engine = backend.AsyncEngine.from_model(
-                model,
-                config,
-                tokenizer=tokenizer,
-                eos_token_ids=eos,
-                event_sink=publisher,
-                device=device if args.model == "tiny" else str(model.device),
-                dtype=args.dtype
-                if args.model == "tiny"
-                else str(model.dtype).removeprefix("torch."),
-            )
-            return engine, codec, name, publisher
-
         started = time.perf_counter()
-        device = None if args.device == "auto" else args.device
-        engine, codec, name, publisher = _on_a_thread_that_ends(load)
+        engine, codec, name, publisher = _on_a_thread_that_ends(
+            functools.partial(_load, args, http, backend)
+        )
         app = http.build_app(
             engine,
             codec,
@@ -468,3 +378,112 @@ def run(args: argparse.Namespace) -> int:
             if publisher is not None:
                 publisher.close()
     return 0
+
+
+def _run_replicas(args: argparse.Namespace) -> int:
+    """``--replicas N``: Ray Serve replicas; the HTTP server's own flags are refused."""
+    parser: argparse.ArgumentParser = args.parser
+    if args.model not in MODELS:
+        parser.error(f"--replicas serves --model smollm2 or tiny, got {args.model!r}")
+    single_server = [  # what the HTTP server reads, and the replicas do not
+        as_given(dest, value)
+        for dest, value in vars(args).items()
+        if dest not in (*RAY_DEFAULTS, *_NOT_HTTP_ONLY) and value != parser.get_default(dest)
+    ]
+    if single_server:
+        _refuse(
+            parser,
+            single_server,
+            f"to the HTTP server, not with --replicas {args.replicas} (the replicas take "
+            "--model and the Ray Serve flags)",
+        )
+    prepare_torch_process()
+    return run_ray(args)
+
+
+def _check(args: argparse.Namespace) -> None:
+    """The HTTP server's flags, checked before the port is bound or anything loads."""
+    parser: argparse.ArgumentParser = args.parser
+    ray_flags = ray_flags_given(args)
+    if ray_flags:
+        max_tokens = "; the HTTP server takes max_tokens from each request"
+        scope = "with --replicas N (Ray Serve replicas)"
+        _refuse(parser, ray_flags, scope + (max_tokens if args.max_tokens is not None else ""))
+    if args.model not in MODELS:
+        from prefixflight.backends._folder import check_model_folder
+
+        try:
+            check_model_folder(args.model)
+        except UsageError as exc:
+            parser.error(f"--model {exc}")
+    if args.max_batch_tokens < args.max_running:
+        parser.error(
+            f"--max-batch-tokens ({args.max_batch_tokens}) must be >= --max-running "
+            f"({args.max_running})"
+        )
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        parser.error("--served-model-name must not be empty")
+    kv_flags = (("--kv-events", args.kv_events), ("--kv-events-replay", args.kv_events_replay))
+    for flag, value in kv_flags:
+        if value is not None and "://" not in value:
+            parser.error(f"{flag} must be a ZMQ address like tcp://*:5557, got {value!r}")
+    kv_options = args.kv_events_replay or args.kv_events_pod
+    kv_options = kv_options or args.kv_events_encoding != "map" or args.kv_events_token_ids != "on"
+    if args.kv_events is None and kv_options:
+        parser.error(
+            "--kv-events-replay, --kv-events-encoding, --kv-events-token-ids and "
+            "--kv-events-pod need --kv-events"
+        )
+
+
+def _load(args: argparse.Namespace, http: Any, backend: Any) -> tuple[Any, Any, str, Any]:
+    """The model, its codec and the engine (on a thread of its own): the engine, the codec,
+    the served name and the KV events publisher (None without --kv-events)."""
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    device = None if args.device == "auto" else args.device
+    eos = None
+    if args.model == "tiny":
+        model, default_name = _tiny_model()
+        codec: Any = http.CharCodec(int(model.config.vocab_size))
+        tokenizer = None
+    else:
+        if args.model == "smollm2":
+            loaded = backend.load_smollm2(device=device, dtype=args.dtype)
+        else:
+            loaded = backend.load_local(args.model, device=device, dtype=args.dtype)
+        model, default_name, tokenizer = loaded.model, loaded.name, loaded.tokenizer
+        eos = loaded.eos_token_ids
+        if tokenizer is None:
+            codec = http.CharCodec(int(model.config.vocab_size))
+            print(
+                f"prefixflight serve: {args.model!r} has no tokenizer: text is one "
+                "token per character (the character codec)",
+                file=sys.stderr,
+                flush=True,
+            )
+        else:
+            codec = http.HFCodec(tokenizer)
+    config = backend.EngineConfig(
+        release_policy=ReleasePolicy(args.release_policy),
+        num_pages=args.num_pages,
+        block_size=args.block_size,
+        max_batch_tokens=args.max_batch_tokens,
+        max_running=args.max_running,
+        eviction=args.eviction,
+        min_shared_blocks=args.min_shared_blocks,
+    )
+    name = args.served_model_name or default_name
+    publisher = None if args.kv_events is None else kv_publisher(args, name)
+    engine = backend.AsyncEngine.from_model(
+        model,
+        config,
+        tokenizer=tokenizer,
+        eos_token_ids=eos,
+        event_sink=publisher,
+        device=device if args.model == "tiny" else str(model.device),
+        dtype=args.dtype if args.model == "tiny" else str(model.dtype).removeprefix("torch."),
+    )
+    return engine, codec, name, publisher
