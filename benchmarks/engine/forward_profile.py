@@ -4,7 +4,9 @@ SmolLM2-135M-Instruct on the CPU, the paged runner with the fused forward (``fus
 model's own modules over the same paged attention (``modules``) and the gather reference
 (``gather``, no decode reuse). Per variant: a cold ``--prompt``-token prefill (in chunks of
 ``--chunk`` tokens, one forward pass each, as a server's step budget cuts a long prompt;
-default: one pass), a decode step of 1 row and one of 8 rows at that context. Each is timed (wall-clock minimum and the
+default: one pass), a decode step of 1 row and one of 8 rows at that context (each on pages of
+its own), and one of 32 rows in 4 groups of 8 (a GRPO burst: each group over one prompt's
+pages, each row with a page of its own). Each is timed (wall-clock minimum and the
 process's CPU time, median, over ``--repeat`` runs: on a shared machine CPU time is the
 steadier of the two) and then profiled once with ``torch.profiler``; the profile's operator
 self-times are summed into kinds: matrix products of the projections (``aten::mm``/``addmm``,
@@ -93,6 +95,9 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     prompts = [tuple(torch.randint(100, 40000, (ctx,), generator=g).tolist()) for _ in range(rows)]
     pages = [tuple(range(i * per, (i + 1) * per)) for i in range(rows)]
+    groups, per_group = 4, 8
+    own = range(rows * per, rows * per + groups * per_group)  # a page each, past the prompt's
+    grouped = [(*pages[i // per_group][: ctx // ps], p) for i, p in enumerate(own)]
     results: dict[str, dict[str, Any]] = {}
     for variant in args.variants.split(","):
         kw: dict[str, Any] = {"deduplicate": False}
@@ -101,7 +106,7 @@ def main() -> None:
         elif variant == "gather":
             kw.update(attention="gather", reuse_decode=False)
         runner = TransformersRunner.for_model(
-            model, num_pages=rows * per, page_size=ps, device="cpu", dtype=args.dtype, **kw
+            model, num_pages=own.stop, page_size=ps, device="cpu", dtype=args.dtype, **kw
         )
         step = iter(range(10**9))
 
@@ -122,6 +127,13 @@ def main() -> None:
             )
             r.execute(StepPlan(step=next(s), decodes=works))
 
+        def decode_groups(r: TransformersRunner = runner, s: Any = step) -> None:
+            works = tuple(
+                DecodeWork(request_id=rows + j, token_id=5, position=ctx, pages=t)
+                for j, t in enumerate(grouped)
+            )
+            r.execute(StepPlan(step=next(s), decodes=works))
+
         for i in range(rows):
             prefill(i)
         decode(rows)
@@ -129,6 +141,7 @@ def main() -> None:
             f"prefill_{ctx}": measure(lambda: prefill(0), max(2, args.repeat // 2)),
             "decode_1": measure(lambda: decode(1), args.repeat * 2),
             f"decode_{rows}": measure(lambda: decode(rows), args.repeat * 2),
+            f"decode_{groups}x{per_group}": measure(decode_groups, args.repeat * 2),
         }
         for what, m in results[variant].items():
             kinds = ", ".join(f"{k} {v:.0%}" for k, v in m["profiled_share"].items())
