@@ -14,14 +14,16 @@ writes), then each row's queries attend over its pages. No per-row Python work i
   exactly through the log-sum-exps the kernel returns. Elsewhere the queries run in blocks
   of `BLOCK` rows, each block a batched matrix product against the keys it can see (causal
   blocks skip the keys after them, the block's own triangle is masked);
-- several rows (decodes and short chunks): one page-granular gather of every row's pages
-  into ``[kv_heads, rows, tokens, head_dim]``, and one batched matrix product over all rows
-  and KV heads, with each KV head's query heads folded into the rows of its product (no
-  repeated keys for grouped-query attention); a precomputed additive mask keeps each query
-  on its own row's keys up to its position. Where `PER_ROW_MIN` says so (fp32 rows reading
-  1,024 keys or more past the pages they share) the rows run one by one instead, as lone
-  rows through the fused kernel (a decode: one call, no mask): in fp32 the batched
-  product of a few query rows per row is up to 3.3x slower there.
+- several rows (decodes and short chunks): the pages a group of rows starts with (a GRPO
+  group's prompt, a shared system prompt) read once per group and multiplied with the
+  group's queries, every group in one batched product; one page-granular gather of the rest
+  of every row's pages into ``[kv_heads, rows, tokens, head_dim]``, and one batched matrix
+  product over all rows and KV heads, with each KV head's query heads folded into the rows
+  of its product (no repeated keys for grouped-query attention); a precomputed additive
+  mask keeps each query on its own row's keys up to its position. Where `PER_ROW_MIN` says
+  so (fp32 rows reading 1,024 keys or more past their group's shared pages) the rows run
+  one by one instead, as lone rows through the fused kernel (a decode: one call, no mask):
+  in fp32 the batched product of a few query rows per row is up to 3.3x slower there.
 
 In the products, scores and probabilities are in the queries' dtype (``softmax``
 accumulates in fp32), as in transformers' eager attention; on CPUs they run on oneDNN's
@@ -82,13 +84,13 @@ class _Batch:
 
     Rows whose tables start with the same page form a group (the requests of a GRPO group,
     or every chat sharing a system prompt): the pages all of a group's tables start with, up
-    to the first query of any of its rows, are its `shared` pages (rows in no group, none). Every query of the group
-    sees all of them, so they are read once per group (a slice of the pool when there is one
-    group and its pages are consecutive, else one gather for all groups) and multiplied with
-    all the group's queries in one product, every group in the same batched product (groups
-    padded to the largest, their shared keys to the longest, masked); only the rest of each
-    row's pages is gathered per row. Both parts' scores go through one softmax, so the
-    result is the same attention.
+    to the first query of any of its rows, are its `shared` pages (rows in no group: none).
+    Every query of the group sees all of them, so they are read once per group (a slice of
+    the pool when there is one group and its pages are consecutive, else one gather for all
+    groups) and multiplied with all the group's queries in one product, every group in the
+    same batched product (groups padded to the largest, their shared keys to the longest,
+    masked); only the rest of each row's pages is gathered per row. Both parts' scores go
+    through one softmax, so the result is the same attention.
     """
 
     __slots__ = (
@@ -555,7 +557,7 @@ were faster up to 8,192 keys (the kernel 0.63-0.75x), so bf16 keeps the products
 
 
 PER_ROW_MIN = {torch.float32: 1024}
-"""Per dtype, the fewest keys per row (past the pages all rows share) from which the rows a
+"""Per dtype, the fewest keys per row (past its group's shared pages) from which the rows a
 step would attend together (decodes, short chunks) each run alone through the fused kernel
 instead (`_flash`; a decode: one call without a mask); a dtype not here: always together.
 Measured (CPU time per layer, SmolLM2's heads, rows without shared pages): in fp32 32
