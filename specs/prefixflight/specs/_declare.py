@@ -15,7 +15,7 @@ Hypothesis), so an adapter module can declare itself without the ``specs`` extra
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Literal
+from typing import Any, Literal, TypeAlias, get_args
 
 import attrs
 
@@ -86,9 +86,10 @@ def _ops(*allowed: str) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
     return check
 
 
-POLICY_MACHINES = ("s3fifo", "lru", "fifo", "lfu", "sieve")
-"""The eviction policies a `PolicySemantics` or an `EngineSemantics` can name (each has its
-machine)."""
+PolicyMachine: TypeAlias = Literal["s3fifo", "lru", "fifo", "lfu", "sieve"]
+POLICY_MACHINES: tuple[PolicyMachine, ...] = get_args(PolicyMachine)
+"""The eviction policies a `PolicySemantics` or an `EngineSemantics` can name, each with its
+machine (`_registry.MACHINES` builds their entries from this list)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -185,7 +186,7 @@ class EngineSemantics:
         converter=_frozen,
         validator=_ops("evict", "invalidate", "reset", "stats"),
     )
-    policy: str | None = attrs.field(
+    policy: PolicyMachine | None = attrs.field(
         default=None, validator=attrs.validators.optional(_one_of(*POLICY_MACHINES))
     )
 
@@ -272,7 +273,7 @@ class PolicySemantics:
     small queue that admits anything (a small queue of fewer blocks caches nothing new).
     """
 
-    policy: Literal["s3fifo", "lru", "fifo", "lfu", "sieve"] | None = attrs.field(
+    policy: PolicyMachine | None = attrs.field(
         default=None, validator=attrs.validators.optional(_one_of(*POLICY_MACHINES))
     )
     ops: frozenset[str] = attrs.field(

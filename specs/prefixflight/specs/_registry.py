@@ -22,7 +22,13 @@ import attrs
 from prefixflight.core import UsageError
 from prefixflight.core.cache import POLICIES
 
-from ._declare import EngineSemantics, IndexSemantics, PolicySemantics, SchedulerSemantics
+from ._declare import (
+    POLICY_MACHINES,
+    EngineSemantics,
+    IndexSemantics,
+    PolicySemantics,
+    SchedulerSemantics,
+)
 
 __all__ = [
     "CHECKS",
@@ -53,17 +59,18 @@ class Machine:
     called_with: str
 
 
+_POLICY_ARGS = {"s3fifo": "capacity=, small_ratio=, max_freq=, ghost_admit_freq="}
+
 MACHINES: dict[str, Machine] = {
     m.name: m
     for m in (
         Machine("engine", f"{_S}._engine_machine:PrefixEngineConformance", EngineSemantics,
                 "pages (an int)"),
-        Machine("s3fifo", f"{_S}._machines:S3FIFOConformance", PolicySemantics,
-                "capacity=, small_ratio=, max_freq=, ghost_admit_freq="),
-        Machine("lru", f"{_S}._machines:LRUConformance", PolicySemantics, "capacity="),
-        Machine("fifo", f"{_S}._machines:FIFOConformance", PolicySemantics, "capacity="),
-        Machine("lfu", f"{_S}._machines:LFUConformance", PolicySemantics, "capacity="),
-        Machine("sieve", f"{_S}._machines:SIEVEConformance", PolicySemantics, "capacity="),
+        *(  # one per policy machine: its class is the name in capitals + "Conformance"
+            Machine(p, f"{_S}._machines:{p.upper()}Conformance", PolicySemantics,
+                    _POLICY_ARGS.get(p, "capacity="))
+            for p in POLICY_MACHINES
+        ),
         Machine("scheduler", f"{_S}._sched_machine:SchedulerConformance", SchedulerSemantics,
                 "a SchedulerLimits"),
         Machine("index", f"{_S}._index_machine:KVIndexConformance", IndexSemantics,
