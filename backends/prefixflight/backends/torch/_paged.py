@@ -121,26 +121,8 @@ class _Batch:
         self.rows = len(rows)
         self.q = q = max(n for _, n in rows)
         self.index = index  # the rows' tokens among the step's (None: all of them, in order)
-        by_first: dict[int, list[int]] = {}
-        for i, t in enumerate(tables):
-            by_first.setdefault(t[0], []).append(i)
-        groups = [members for members in by_first.values() if len(members) > 1]
-        counts = [0] * len(groups)  # shared pages per group
-        for g, members in enumerate(groups):
-            first = tables[members[0]]
-            limit = min(
-                min(rows[i][0] for i in members) // page_size,
-                *(len(tables[i]) for i in members),
-            )
-            while counts[g] < limit and all(
-                tables[i][counts[g]] == first[counts[g]] for i in members
-            ):
-                counts[g] += 1
+        groups, counts = _groups(rows, tables, page_size)
         shared = max(counts, default=0)
-        alone = [m[0] for m in by_first.values() if len(m) == 1]
-        if shared and alone:  # rows in no group: one more, with no shared pages
-            groups.append(alone)
-            counts.append(0)
         of_row = [0] * self.rows  # each row's shared pages
         for g, members in enumerate(groups):
             for i in members:
@@ -220,6 +202,31 @@ class _Batch:
 
     def unpad(self, padded: torch.Tensor) -> torch.Tensor:
         return _unpad(padded, self.rows, self.q, self.real)
+
+
+def _groups(
+    rows: Sequence[tuple[int, int]], tables: Sequence[Sequence[int]], page_size: int
+) -> tuple[list[list[int]], list[int]]:
+    """The groups of rows whose tables start with the same page, and each group's shared
+    pages: those all its tables start with, up to the first query of any of its rows. Rows
+    in no group are one more group, with no shared pages, when any group shares some."""
+    by_first: dict[int, list[int]] = {}
+    for i, t in enumerate(tables):
+        by_first.setdefault(t[0], []).append(i)
+    groups = [members for members in by_first.values() if len(members) > 1]
+    counts = [0] * len(groups)
+    for g, members in enumerate(groups):
+        first = tables[members[0]]
+        limit = min(
+            min(rows[i][0] for i in members) // page_size, *(len(tables[i]) for i in members)
+        )
+        while counts[g] < limit and all(tables[i][counts[g]] == first[counts[g]] for i in members):
+            counts[g] += 1
+    alone = [m[0] for m in by_first.values() if len(m) == 1]
+    if alone and any(counts):
+        groups.append(alone)
+        counts.append(0)
+    return groups, counts
 
 
 def _real(lengths: Sequence[int], q: int, dev: torch.device) -> torch.Tensor:
