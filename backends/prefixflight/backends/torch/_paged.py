@@ -107,6 +107,7 @@ class _Batch:
         "shared",
         "shared_bias",
         "shared_pages",
+        "shared_seen",
         "shared_span",
     )
 
@@ -132,6 +133,7 @@ class _Batch:
         self.shared_span: int | None = None
         self.shared_pages: torch.Tensor | None = None
         self.shared_bias: dict[torch.dtype, torch.Tensor] = {}
+        self.shared_seen: torch.Tensor | None = None  # [1, groups, 1, shared keys]
         # groups padded to the largest: slot g * most + k is row groups[g][k] (a padding
         # slot repeats the group's first row; its output is never read)
         self.group_rows: torch.Tensor | None = None
@@ -159,7 +161,7 @@ class _Batch:
             if min(counts) < shared:  # a group's keys past its shared pages are masked
                 cols = torch.arange(shared * page_size, device=dev)
                 seen = torch.tensor(counts, device=dev).unsqueeze(-1) * page_size
-                self.shared_bias[torch.bool] = (cols.unsqueeze(0) < seen).view(
+                self.shared_seen = (cols.unsqueeze(0) < seen).view(
                     1, len(groups), 1, shared * page_size
                 )
         width = max(len(t) - c for t, c in zip(tables, of_row, strict=True))
@@ -188,7 +190,7 @@ class _Batch:
     def shared_bias_of(self, dtype: torch.dtype) -> torch.Tensor | None:
         """The additive mask ``[1, groups, 1, shared keys]`` of the groups' shared keys
         (None: every group has them all), built once per dtype."""
-        seen = self.shared_bias.get(torch.bool)
+        seen = self.shared_seen
         if seen is None:
             return None
         bias = self.shared_bias.get(dtype)
