@@ -288,7 +288,7 @@ def main() -> int:
             w.close()
 
     if "replay" not in skip:
-        trace = ROOT / "core/prefixflight/cli/data/conversation_trace.jsonl.gz"
+        trace = ROOT / "cli/prefixflight/cli/data/conversation_trace.jsonl.gz"
         cap = str(args.replay_capacity)
         cli = [sys.executable, "-m", "prefixflight.cli", "replay", "bundled:conversation"]
         cli += ["--capacity-blocks", cap, "-q"]
