@@ -84,16 +84,6 @@ WORKLOADS = (
 )
 DOCUMENTS = {"long_document": 4000, "long_document_8k": 8000}  # workload: document tokens
 THREADS = 2
-_SENTENCES = (
-    "The harbour city kept its records in a long stone hall near the water.",
-    "Each ledger listed ships, cargo, tolls and the names of the clerks on duty.",
-    "In the dry season the river fell and the larger vessels waited outside the bar.",
-    "Merchants from the inland towns brought wool, salt, timber and dyed cloth.",
-    "A council of seven wardens set the tolls and heard disputes every new moon.",
-    "When the great storm came, the archive was moved to the hill fort for a decade.",
-    "Scholars later compared the ledgers with letters kept by the trading houses.",
-    "They found that prices rose sharply whenever the northern road was closed.",
-)
 _TOPICS = (
     "harbour records", "river tolls", "wool trade", "salt roads", "the council of wardens",
     "the storm archive", "timber prices", "dyed cloth", "the northern road", "the hill fort",
@@ -103,20 +93,6 @@ _TOPICS = (
 
 
 # -- workloads ----------------------------------------------------------------------------------
-def _document(tok: Any, n: int, salt: int) -> list[int]:
-    """``n`` token ids of a deterministic document (the single-flight study's construction)."""
-    parts: list[str] = []
-    i = salt
-    ids: list[int] = []
-    while len(ids) < n:
-        parts.append(f"Entry {i}. {_SENTENCES[i % len(_SENTENCES)]}")
-        i += 1
-        if len(parts) % 16 == 0:
-            ids = list(tok(" ".join(parts))["input_ids"])
-    ids = list(tok(" ".join(parts))["input_ids"])
-    return [int(t) for t in ids[:n]]
-
-
 def _system_prompt(tok: Any, target: int) -> str:
     lines = ["You are the archive assistant of a harbour city. Follow these rules."]
     i = 0
@@ -132,6 +108,9 @@ def _system_prompt(tok: Any, target: int) -> str:
 
 def build_workloads(model_dir: Path) -> dict[str, Any]:
     from transformers import AutoTokenizer
+
+    # the single-flight study's documents, as `prefixflight bench ttft` builds them
+    from prefixflight.cli._bench import document_tokens as _document
 
     tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
 
