@@ -199,6 +199,15 @@ class _Batch:
             bias = self.shared_bias[dtype] = bias.masked_fill_(~seen, float("-inf"))
         return bias
 
+    def to_groups(self, per_row: torch.Tensor) -> torch.Tensor:
+        """``[kv_heads, rows, ...]`` -> ``[kv_heads, groups * largest group, ...]``, each
+        group's rows together (as is when there is one group and its rows are in order)."""
+        return per_row if self.group_rows is None else per_row.index_select(1, self.group_rows)
+
+    def from_groups(self, grouped: torch.Tensor) -> torch.Tensor:
+        """The inverse of `to_groups`: ``[kv_heads, rows, ...]`` in row order."""
+        return grouped if self.row_slots is None else grouped.index_select(1, self.row_slots)
+
     def pad(self, flat: torch.Tensor) -> torch.Tensor:
         return _pad(flat, self.rows, self.q, self.real)
 
@@ -452,8 +461,8 @@ class PagedStep:
         scale: float,
     ) -> torch.Tensor:
         """Several rows: ``[kv_heads, rows, W, D]`` from their pages, one product over all
-        rows, each KV head's query heads folded into its rows (the shared pages: one
-        product over all rows' queries)."""
+        rows, each KV head's query heads folded into its rows (each group's shared pages:
+        one product over the group's queries, every group in one batched product)."""
         _, heads, dim = query.shape
         kv_heads = k_pool.shape[0]
         group = heads // kv_heads
@@ -473,7 +482,7 @@ class PagedStep:
             out = torch.bmm(probs, values).view(kv_heads, rows, group, q, dim)
             return batch.unpad(out.permute(1, 3, 0, 2, 4).reshape(rows, q, heads, dim))
         wide = batch.shared * ps
-        groups = max(batch.groups, 1)
+        groups = batch.groups
         if batch.shared_span is not None:
             first = batch.shared_span
             s_keys, s_values = k_pool[:, first : first + wide], v_pool[:, first : first + wide]
@@ -483,17 +492,13 @@ class PagedStep:
             s_values = _gather(v_pool, batch.shared_pages, ps)
         s_keys = s_keys.to(dt).reshape(kv_heads * groups, wide, dim)
         s_values = s_values.to(dt).reshape(kv_heads * groups, wide, dim)
-        per_row = qg.view(kv_heads, rows, group * q, dim)
-        if batch.group_rows is not None:  # rows to their groups' slots
-            per_row = per_row.index_select(1, batch.group_rows)
+        per_row = batch.to_groups(qg.view(kv_heads, rows, group * q, dim))
         slots = per_row.shape[1]
         shared = torch.bmm(per_row.reshape(kv_heads * groups, -1, dim), s_keys.transpose(1, 2))
         s_bias = batch.shared_bias_of(dt)
         if s_bias is not None:
             shared.view(kv_heads, groups, -1, wide).add_(s_bias)
-        shared = shared.view(kv_heads, slots, group * q, wide)
-        if batch.row_slots is not None:  # and back
-            shared = shared.index_select(1, batch.row_slots)
+        shared = batch.from_groups(shared.view(kv_heads, slots, group * q, wide))
         scores = torch.cat(
             (
                 shared.reshape(kv_heads, rows * group * q, wide),
@@ -502,13 +507,9 @@ class PagedStep:
             dim=-1,
         )
         probs = torch.softmax(scores, dim=-1)
-        p_shared = probs[..., :wide].view(kv_heads, rows, group * q, wide)
-        if batch.group_rows is not None:
-            p_shared = p_shared.index_select(1, batch.group_rows)
+        p_shared = batch.to_groups(probs[..., :wide].view(kv_heads, rows, group * q, wide))
         out = torch.bmm(p_shared.reshape(kv_heads * groups, -1, wide), s_values)
-        out = out.view(kv_heads, slots, group * q, dim)
-        if batch.row_slots is not None:
-            out = out.index_select(1, batch.row_slots)
+        out = batch.from_groups(out.view(kv_heads, slots, group * q, dim))
         out = out.reshape(kv_heads * rows, group * q, dim)
         out.baddbmm_(probs[..., wide:].reshape(kv_heads * rows, group * q, width), values)
         out = out.view(kv_heads, rows, group, q, dim)
