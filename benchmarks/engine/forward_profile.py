@@ -27,7 +27,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -121,27 +121,27 @@ def main() -> None:
                 )
                 r.execute(StepPlan(step=next(s), prefills=(work,)))
 
-        def decode(b: int, r: TransformersRunner = runner, s: Any = step) -> None:
+        def decode(
+            tables: Sequence[tuple[int, ...]],
+            first: int = 0,
+            r: TransformersRunner = runner,
+            s: Any = step,
+        ) -> None:
+            """One decode step, a row per page table (request ids from ``first``)."""
             works = tuple(
-                DecodeWork(request_id=i, token_id=5, position=ctx, pages=pages[i]) for i in range(b)
-            )
-            r.execute(StepPlan(step=next(s), decodes=works))
-
-        def decode_groups(r: TransformersRunner = runner, s: Any = step) -> None:
-            works = tuple(
-                DecodeWork(request_id=rows + j, token_id=5, position=ctx, pages=t)
-                for j, t in enumerate(grouped)
+                DecodeWork(request_id=first + j, token_id=5, position=ctx, pages=t)
+                for j, t in enumerate(tables)
             )
             r.execute(StepPlan(step=next(s), decodes=works))
 
         for i in range(rows):
             prefill(i)
-        decode(rows)
+        decode(pages)
         results[variant] = {
             f"prefill_{ctx}": measure(lambda: prefill(0), max(2, args.repeat // 2)),
-            "decode_1": measure(lambda: decode(1), args.repeat * 2),
-            f"decode_{rows}": measure(lambda: decode(rows), args.repeat * 2),
-            f"decode_{groups}x{per_group}": measure(decode_groups, args.repeat * 2),
+            "decode_1": measure(lambda: decode(pages[:1]), args.repeat * 2),
+            f"decode_{rows}": measure(lambda: decode(pages), args.repeat * 2),
+            f"decode_{groups}x{per_group}": measure(lambda: decode(grouped, rows), args.repeat * 2),
         }
         for what, m in results[variant].items():
             kinds = ", ".join(f"{k} {v:.0%}" for k, v in m["profiled_share"].items())
