@@ -34,6 +34,11 @@ Workloads (the single-flight prefill study of mini-vllm-rs for the first four):
   server's step), 32 output tokens;
 - ``startup``: seconds from starting the server process to its first ``/health`` 200.
 
+``--servers`` picks the servers: ``prefixflight`` and ``vllm`` by default;
+``prefixflight-vllm-kernel`` is ours with vLLM CPU's attention kernel (``serve --attention
+vllm-cpu --vllm-library`` the vLLM venv); ``vllm-plugin`` and ``vllm-checked`` are vLLM with
+prefixflight's scheduler plugin inside.
+
 Per workload and server: TTFT p50/p95, mean TTFT, tokens/s (output tokens over the time from
 the first request sent to the last finished), slowest completion, cached tokens (mean per
 request, from the usage), and prefill tokens computed from the server's own ``/metrics``
@@ -68,7 +73,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: be
 from benchmarks import harness
 
 ROOT = harness.ROOT
-SERVERS = ("prefixflight", "vllm", "vllm-plugin", "vllm-checked")
+SERVERS = ("prefixflight", "prefixflight-vllm-kernel", "vllm", "vllm-plugin", "vllm-checked")
+# ours with vLLM CPU's attention kernel (serve --attention vllm-cpu), from the vLLM venv
+KERNEL = "prefixflight-vllm-kernel"
 # vLLM with prefixflight inside (the plugin, docs/vllm.md): its "lru" eviction, and the same
 # in checked mode; the vLLM venv needs prefixflight installed (benchmarks/vllm/setup.sh does)
 PLUGIN = {"vllm-plugin": {"eviction": "lru"}, "vllm-checked": {"eviction": "lru", "checked": True}}
@@ -208,6 +215,9 @@ class Server:
                 str(THREADS),
                 *args.prefixflight_arg,
             ]
+            if kind == KERNEL:
+                venv = Path(args.vllm_python).parents[1]
+                cmd += ["--attention", "vllm-cpu", "--vllm-library", str(venv)]
         self.cmd = cmd
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = harness.Process(kind, cmd, log, env)
@@ -552,7 +562,7 @@ def main() -> None:
             print(f"{w:<14} {kind:<12} " + " ".join(f"{k}={m[k]:.3f}" for k in keys if k in m))
         for kind in PLUGIN:  # the plugin's overhead: vLLM with it against vLLM without
             if kind in by and "vllm" in by:
-                over = {
+                over: dict[str, float] = {
                     k: by[kind][k] / by["vllm"][k]
                     for k in ("ttft_p50", "tokens_per_s", "cpu_s")
                     if by["vllm"].get(k) not in (None, 0, 0.0) and k in by[kind]
@@ -562,17 +572,19 @@ def main() -> None:
                     f"{w:<14} {kind + '/vllm':<12} "
                     + " ".join(f"{k}=x{v:.3f}" for k, v in over.items())
                 )
-        if "prefixflight" in by and "vllm" in by:
-            ours, theirs = by["prefixflight"], by["vllm"]
-            ratios.setdefault(w, {}).update({
-                k: ours[k] / theirs[k]
-                for k in keys
-                if k in ours and k in theirs and theirs[k] not in (0, 0.0)
-            })
-            print(
-                f"{w:<14} {'ours/vllm':<12} "
-                + " ".join(f"{k}=x{v:.2f}" for k, v in ratios[w].items())
-            )
+        for kind, prefix in (("prefixflight", ""), (KERNEL, "kernel/vllm ")):
+            if kind in by and "vllm" in by:
+                ours, theirs = by[kind], by["vllm"]
+                over = {
+                    k: ours[k] / theirs[k]
+                    for k in keys
+                    if k in ours and k in theirs and theirs[k] not in (0, 0.0)
+                }
+                ratios.setdefault(w, {}).update({prefix + k: v for k, v in over.items()})
+                print(
+                    f"{w:<14} {prefix or 'ours/vllm ':<12}"
+                    + " ".join(f"{k}=x{v:.2f}" for k, v in over.items())
+                )
     if {"prefixflight", "vllm"} <= set(servers):
         print("\n" + markdown_table(med))
     if args.json:
@@ -629,16 +641,33 @@ HEADLINES = (
 
 
 def markdown_table(med: dict[str, dict[str, dict[str, float]]]) -> str:
-    """The headline measures as a Markdown table: ours, vLLM's, ours / vLLM's."""
-    lines = ["| measure | prefixflight | vLLM | ours / vLLM |", "|---|---:|---:|---:|"]
+    """The headline measures as a Markdown table: ours, vLLM's, ours / vLLM's (and ours with
+    vLLM's attention kernel, where it ran)."""
+    kernel = any(KERNEL in by for by in med.values())
+    head = "| measure | prefixflight | vLLM | ours / vLLM |"
+    rule = "|---|---:|---:|---:|"
+    if kernel:
+        head += " ours, vLLM's kernel | its / vLLM |"
+        rule += "---:|---:|"
+    lines = [head, rule]
     for workload, key, label, unit in HEADLINES:
         by = med.get(workload, {})
         if "prefixflight" not in by or "vllm" not in by or key not in by["vllm"]:
             continue
-        ours, theirs = by["prefixflight"][key], by["vllm"][key]
-        a, b = (f"{v:.3f} {unit}" if unit else f"{v:.0f}" for v in (ours, theirs))
-        ratio = f"{ours / theirs:.2f}x" if theirs else "-"
-        lines.append(f"| {label} | {a} | {b} | {ratio} |")
+        theirs = by["vllm"][key]
+
+        def cell(v: float | None, unit: str = unit) -> str:
+            return "-" if v is None else f"{v:.3f} {unit}" if unit else f"{v:.0f}"
+
+        def ratio(v: float | None, theirs: float = theirs) -> str:
+            return f"{v / theirs:.2f}x" if v is not None and theirs else "-"
+
+        ours = by["prefixflight"].get(key)
+        cells = [label, cell(ours), cell(theirs), ratio(ours)]
+        if kernel:
+            with_kernel = by.get(KERNEL, {}).get(key)
+            cells += [cell(with_kernel), ratio(with_kernel)]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -41,8 +41,10 @@ def runners(
     long_chunk: int = 64,
     device: str = "cpu",
     fused: bool = True,
+    attention: str = "paged",
+    vllm_library: Any = None,
 ) -> tuple[TransformersRunner, TransformersRunner]:
-    """(paged, gather) runners with pools of their own, fp32."""
+    """(``attention``, gather) runners with pools of their own, fp32."""
     paged, gather = (
         TransformersRunner.for_model(
             model,
@@ -51,10 +53,11 @@ def runners(
             device=device,
             dtype="float32",
             long_chunk=long_chunk,
-            attention=attention,
+            attention=name,
             fused=fused,
+            vllm_library=library,
         )
-        for attention in ("paged", "gather")
+        for name, library in ((attention, vllm_library), ("gather", None))
     )
     assert paged.fused == fused
     return paged, gather
@@ -71,8 +74,11 @@ def run_mixed(
     device: str = "cpu",
     fused: bool = True,
     leaders: int = 1,
+    attention: str = "paged",
+    vllm_library: Any = None,
 ) -> dict[int, list[int]]:
-    """Run both paths over the same mixed plans; return the greedy tokens per request.
+    """Run ``attention`` and the gather path over the same mixed plans; return the greedy
+    tokens per request.
 
     The first ``leaders`` requests are prefilled alone first, one step each. Every other
     request reuses the full pages of the leader it shares the longest prefix with (the
@@ -90,6 +96,8 @@ def run_mixed(
         long_chunk=long_chunk,
         device=device,
         fused=fused,
+        attention=attention,
+        vllm_library=vllm_library,
     )
     free = list(range(1, per * len(prompts) + 1))
     rng.shuffle(free)

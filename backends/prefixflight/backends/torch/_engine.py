@@ -25,6 +25,7 @@ import logging
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, final
 
 import attrs
@@ -394,8 +395,11 @@ class AsyncEngine:
         event_sink: EventSink | None = None,
         device: str | None = None,
         dtype: str | None = None,
+        attention: str = "paged",
+        vllm_library: str | Path | None = None,
     ) -> AsyncEngine:
-        """Allocate a pool of ``config.num_pages`` pages for ``model`` and serve it."""
+        """Allocate a pool of ``config.num_pages`` pages for ``model`` and serve it
+        (``attention``, ``vllm_library``: the runner's attention path, `TransformersRunner`)."""
         config = EngineConfig() if config is None else config
         runner = TransformersRunner.for_model(
             model,
@@ -403,6 +407,8 @@ class AsyncEngine:
             page_size=config.block_size,
             device=device,
             dtype=dtype,
+            attention=attention,
+            vllm_library=vllm_library,
         )
         return cls(
             runner, config, tokenizer=tokenizer, eos_token_ids=eos_token_ids, event_sink=event_sink

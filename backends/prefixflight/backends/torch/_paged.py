@@ -53,6 +53,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ._pool import PagedKVPool
+from ._vllm_cpu import VllmCpuAttention
 
 __all__ = ["ATTENTION_NAME", "BLOCK", "STEP_KWARG", "PagedStep", "register_paged_attention"]
 
@@ -274,8 +275,10 @@ class PagedStep:
     """
 
     __slots__ = (
+        "_kernel",
         "_lone",
         "_masks",
+        "_plan",
         "_rows",
         "_together",
         "_together_lone",
@@ -296,6 +299,7 @@ class PagedStep:
         rows: Sequence[tuple[int, int, Sequence[int]]],
         *,
         alone: int = 64,
+        kernel: VllmCpuAttention | None = None,
     ) -> None:
         self.pool = pool
         dev = pool.device
@@ -324,18 +328,23 @@ class PagedStep:
             self.real = _real(lengths, q, dev)
         self._masks: dict[int, torch.Tensor] = {}
         self._lone: list[_Lone] = []
-        together: list[int] = []
+        self._together: _Batch | None = None
+        self._together_lone: list[_Lone] | None = None
         # (begin, end, start, pages) of every row, for rows made lone later (`_as_lone`)
         self._rows = [
             (offsets[i], offsets[i + 1], start, table[i]) for i, (start, _, _) in enumerate(rows)
         ]
-        self._together_lone: list[_Lone] | None = None
+        self._together_rows: list[int] = []
+        self._kernel = kernel
+        self._plan = None if kernel is None else kernel.plan(rows, self.write)
+        if kernel is not None:  # vLLM's kernel attends every row: nothing to plan here
+            return
+        together: list[int] = []
         for i, (_, n, _) in enumerate(rows):
             if self.rows > 1 and (n < alone or n == 1):
                 together.append(i)
                 continue
             self._lone.append(self._as_lone(i))
-        self._together: _Batch | None = None
         self._together_rows = together
         if together:
             index = None
@@ -390,6 +399,10 @@ class PagedStep:
         k_pool, v_pool = pool.layer_views(layer)  # [kv_heads, slots, D]
         k_pool.index_copy_(1, self.write, key.transpose(0, 1).to(pool.dtype))
         v_pool.index_copy_(1, self.write, value.transpose(0, 1).to(pool.dtype))
+        if self._kernel is not None:
+            assert self._plan is not None
+            out = self._kernel.attend(self._plan, layer, query, key, value, scale)
+            return out if out.dtype == query.dtype else out.to(query.dtype)
         together = self._together
         lones = self._lone
         if together is not None and self._per_row(together, query):

