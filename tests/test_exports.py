@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import ast
+import functools
 import importlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -151,3 +158,82 @@ def test_the_top_level_is_small_and_reexports_its_subpackages() -> None:
             continue
         assert len(owners) == 1, (name, owners)  # one home per name
         assert getattr(core, name) is getattr(homes[owners[0]], name), name
+
+
+# The packages that compute their __all__ (prefixflight.core._lazy.lazy_attributes): a type
+# checker reads their explicit re-exports (`from .cache import LRU as LRU`) instead, and so does
+# the API reference (griffe_reexports.py). The lazy map is the other copy of each lazy name.
+LAZY_PACKAGES = [
+    "prefixflight.core",
+    "prefixflight.core.cache",
+    "prefixflight.specs",
+    "prefixflight.vllm",
+]
+ROOT = Path(__file__).resolve().parent.parent
+TYPE_CHECKING = ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+
+
+def reexports(name: str) -> dict[str, tuple[str | None, bool]]:
+    """The names the package's source re-exports as themselves: name -> (the module it is
+    imported from, relative; whether only for type checkers)."""
+    module = importlib.import_module(name)
+    assert module.__file__ is not None
+    found: dict[str, tuple[str | None, bool]] = {}
+    for statement in ast.parse(Path(module.__file__).read_text(encoding="utf-8")).body:
+        nodes, guarded = [statement], False
+        if isinstance(statement, ast.If) and ast.unparse(statement.test) in TYPE_CHECKING:
+            nodes, guarded = statement.body, True
+        for node in nodes:
+            if isinstance(node, ast.ImportFrom):
+                for alias in node.names:
+                    if alias.asname == alias.name:
+                        found[alias.name] = (node.module, guarded)
+    return found
+
+
+@pytest.mark.parametrize("name", LAZY_PACKAGES)
+def test_a_lazy_package_reexports_its_all_and_its_lazy_map_says_from_where(name: str) -> None:
+    module = importlib.import_module(name)
+    found = reexports(name)
+    assert sorted(found) == sorted(module.__all__)
+    lazy = {(item, home) for home, items in module._LAZY.items() for item in items}
+    assert {(item, home) for item, (home, guarded) in found.items() if guarded} == lazy
+
+
+def test_importing_the_core_loads_none_of_its_subpackages() -> None:
+    code = "import json, sys, prefixflight.core; print(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    loaded = [m for m in json.loads(out.stdout) if m.startswith("prefixflight")]
+    assert loaded == ["prefixflight", "prefixflight.core", "prefixflight.core._errors",
+                      "prefixflight.core._lazy"]  # fmt: skip
+
+
+def test_a_lazy_name_is_loaded_on_first_use_and_an_unknown_one_is_an_attribute_error() -> None:
+    core = importlib.import_module("prefixflight.core")
+    assert {"UsageError", "PrefixCache", "__all__"} <= set(dir(core))
+    assert core.PrefixCache is importlib.import_module("prefixflight.core.cache").PrefixCache
+    assert vars(core)["PrefixCache"] is core.PrefixCache  # loaded once, then a plain attribute
+    with pytest.raises(AttributeError, match=r"'prefixflight\.core' has no attribute 'Nope'"):
+        _ = core.Nope
+
+
+@functools.cache
+def griffe_package(name: str) -> Any:
+    """``name`` as the API reference loads it (mkdocs.yml's paths and griffe extension)."""
+    griffe = pytest.importorskip("griffe")  # the docs dependency group
+    loader = griffe.GriffeLoader(
+        extensions=griffe.load_extensions(str(ROOT / "griffe_reexports.py")),
+        search_paths=[str(ROOT / r) for r in ("core", "specs", "backends", "serve")],
+    )
+    return loader.load(name)
+
+
+@pytest.mark.parametrize("name", LAZY_PACKAGES[:3])  # prefixflight.vllm is not documented
+def test_the_api_reference_documents_what_a_lazy_packages_all_holds(name: str) -> None:
+    package = griffe_package(name)
+    documented = {
+        item
+        for item, member in package.members.items()
+        if not item.startswith("_") and item not in package.modules and member.is_public
+    }
+    assert documented == set(importlib.import_module(name).__all__)

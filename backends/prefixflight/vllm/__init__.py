@@ -17,34 +17,25 @@ import typing
 from prefixflight.core._lazy import lazy_attributes as _lazy_attributes
 
 if typing.TYPE_CHECKING:
-    from ._checks import PoolChecker
-    from ._config import EvictionSettings, FlightSettings, PluginConfig
-    from ._queue import PolicyQueue, QueueStats, install
-    from ._scheduler import Scheduler, SyncScheduler
+    from ._checks import PoolChecker as PoolChecker
+    from ._config import EvictionSettings as EvictionSettings
+    from ._config import FlightSettings as FlightSettings
+    from ._config import PluginConfig as PluginConfig
+    from ._queue import PolicyQueue as PolicyQueue
+    from ._queue import QueueStats as QueueStats
+    from ._queue import install as install
+    from ._scheduler import Scheduler as Scheduler
+    from ._scheduler import SyncScheduler as SyncScheduler
 
-__all__ = [
-    "EvictionSettings",
-    "FlightSettings",
-    "PluginConfig",
-    "PolicyQueue",
-    "PoolChecker",
-    "QueueStats",
-    "Scheduler",
-    "SyncScheduler",
-    "install",
-]
+# the names each module defines; it is imported on first use of one of them
+_LAZY = {
+    "_checks": ("PoolChecker",),
+    "_config": ("EvictionSettings", "FlightSettings", "PluginConfig"),
+    "_queue": ("PolicyQueue", "QueueStats", "install"),
+    "_scheduler": ("Scheduler", "SyncScheduler"),
+}
 
-__getattr__, __dir__ = _lazy_attributes(
-    globals(),
-    {
-        "PoolChecker": "_checks",
-        "EvictionSettings": "_config",
-        "FlightSettings": "_config",
-        "PluginConfig": "_config",
-        "PolicyQueue": "_queue",
-        "QueueStats": "_queue",
-        "install": "_queue",
-        "Scheduler": "_scheduler",
-        "SyncScheduler": "_scheduler",
-    },
-)
+# __all__ is the lazy names; it is computed, which mypy cannot read (it would export
+# nothing), so type checkers see none of the three and read the re-exports above
+if not typing.TYPE_CHECKING:
+    __getattr__, __dir__, __all__ = _lazy_attributes(globals(), _LAZY)

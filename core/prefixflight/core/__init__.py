@@ -24,129 +24,68 @@ from __future__ import annotations
 
 import typing
 
-from ._errors import CapacityError, ConfigError, PrefixflightError, TraceFormatError, UsageError
+from ._errors import CapacityError as CapacityError
+from ._errors import ConfigError as ConfigError
+from ._errors import PrefixflightError as PrefixflightError
+from ._errors import TraceFormatError as TraceFormatError
+from ._errors import UsageError as UsageError
 from ._lazy import lazy_attributes as _lazy_attributes
 
 if typing.TYPE_CHECKING:
-    from .cache import (
-        LRU,
-        S3FIFO,
-        BlockHash,
-        BlockHasher,
-        EvictionPolicy,
-        PrefixCache,
-        ReplayConfig,
-        ReplayReport,
-        TraceRecord,
-        parse_trace_line,
-        replay,
-    )
-    from .flight import (
-        DecodeWork,
-        FinishReason,
-        FlightConfig,
-        FlightCoordinator,
-        FlightKey,
-        PrefillWork,
-        PublishMode,
-        ReleasePolicy,
-        RequestId,
-        RequestReport,
-        Scheduler,
-        SchedulerConfig,
-        StepOutcome,
-        StepPlan,
-        StepResult,
-    )
-    from .routing import (
-        BurstConfig,
-        BurstRouter,
-        PrefixIndex,
-        ReplicaLoad,
-        Routed,
-        Router,
-        RouteRequest,
-    )
+    from .cache import LRU as LRU
+    from .cache import S3FIFO as S3FIFO
+    from .cache import BlockHash as BlockHash
+    from .cache import BlockHasher as BlockHasher
+    from .cache import EvictionPolicy as EvictionPolicy
+    from .cache import PrefixCache as PrefixCache
+    from .cache import ReplayConfig as ReplayConfig
+    from .cache import ReplayReport as ReplayReport
+    from .cache import TraceRecord as TraceRecord
+    from .cache import parse_trace_line as parse_trace_line
+    from .cache import replay as replay
+    from .flight import DecodeWork as DecodeWork
+    from .flight import FinishReason as FinishReason
+    from .flight import FlightConfig as FlightConfig
+    from .flight import FlightCoordinator as FlightCoordinator
+    from .flight import FlightKey as FlightKey
+    from .flight import PrefillWork as PrefillWork
+    from .flight import PublishMode as PublishMode
+    from .flight import ReleasePolicy as ReleasePolicy
+    from .flight import RequestId as RequestId
+    from .flight import RequestReport as RequestReport
+    from .flight import Scheduler as Scheduler
+    from .flight import SchedulerConfig as SchedulerConfig
+    from .flight import StepOutcome as StepOutcome
+    from .flight import StepPlan as StepPlan
+    from .flight import StepResult as StepResult
+    from .routing import BurstConfig as BurstConfig
+    from .routing import BurstRouter as BurstRouter
+    from .routing import PrefixIndex as PrefixIndex
+    from .routing import ReplicaLoad as ReplicaLoad
+    from .routing import Routed as Routed
+    from .routing import Router as Router
+    from .routing import RouteRequest as RouteRequest
 
-# name -> the subpackage that defines it (imported on first use of one of its names)
+# the names each subpackage defines; it is imported on first use of one of them
 _LAZY = {
-    "LRU": "cache",
-    "S3FIFO": "cache",
-    "BlockHash": "cache",
-    "BlockHasher": "cache",
-    "EvictionPolicy": "cache",
-    "PrefixCache": "cache",
-    "ReplayConfig": "cache",
-    "ReplayReport": "cache",
-    "TraceRecord": "cache",
-    "parse_trace_line": "cache",
-    "replay": "cache",
-    "DecodeWork": "flight",
-    "FinishReason": "flight",
-    "FlightConfig": "flight",
-    "FlightCoordinator": "flight",
-    "FlightKey": "flight",
-    "PrefillWork": "flight",
-    "PublishMode": "flight",
-    "ReleasePolicy": "flight",
-    "RequestId": "flight",
-    "RequestReport": "flight",
-    "Scheduler": "flight",
-    "SchedulerConfig": "flight",
-    "StepOutcome": "flight",
-    "StepPlan": "flight",
-    "StepResult": "flight",
-    "BurstConfig": "routing",
-    "BurstRouter": "routing",
-    "PrefixIndex": "routing",
-    "ReplicaLoad": "routing",
-    "Routed": "routing",
-    "Router": "routing",
-    "RouteRequest": "routing",
-}
+    "cache": (
+        "LRU", "S3FIFO", "BlockHash", "BlockHasher", "EvictionPolicy", "PrefixCache",
+        "ReplayConfig", "ReplayReport", "TraceRecord", "parse_trace_line", "replay",
+    ),
+    "flight": (
+        "DecodeWork", "FinishReason", "FlightConfig", "FlightCoordinator", "FlightKey",
+        "PrefillWork", "PublishMode", "ReleasePolicy", "RequestId", "RequestReport", "Scheduler",
+        "SchedulerConfig", "StepOutcome", "StepPlan", "StepResult",
+    ),
+    "routing": (
+        "BurstConfig", "BurstRouter", "PrefixIndex", "ReplicaLoad", "Routed", "Router",
+        "RouteRequest",
+    ),
+}  # fmt: skip
 
-
-__getattr__, __dir__ = _lazy_attributes(
-    globals(), _LAZY, subpackages=("cache", "flight", "routing")
-)
-
-__all__ = [
-    "LRU",
-    "S3FIFO",
-    "BlockHash",
-    "BlockHasher",
-    "BurstConfig",
-    "BurstRouter",
-    "CapacityError",
-    "ConfigError",
-    "DecodeWork",
-    "EvictionPolicy",
-    "FinishReason",
-    "FlightConfig",
-    "FlightCoordinator",
-    "FlightKey",
-    "PrefillWork",
-    "PrefixCache",
-    "PrefixIndex",
-    "PrefixflightError",
-    "PublishMode",
-    "ReleasePolicy",
-    "ReplayConfig",
-    "ReplayReport",
-    "ReplicaLoad",
-    "RequestId",
-    "RequestReport",
-    "RouteRequest",
-    "Routed",
-    "Router",
-    "Scheduler",
-    "SchedulerConfig",
-    "StepOutcome",
-    "StepPlan",
-    "StepResult",
-    "TraceFormatError",
-    "TraceRecord",
-    "UsageError",
-    "parse_trace_line",
-    "replay",
-]
+# __all__ is the errors and the lazy names; it is computed, which mypy cannot read (it would
+# export nothing), so type checkers see none of the three and read the re-exports above
+if not typing.TYPE_CHECKING:
+    __getattr__, __dir__, __all__ = _lazy_attributes(globals(), _LAZY, eager=(
+        "CapacityError", "ConfigError", "PrefixflightError", "TraceFormatError", "UsageError",
+    ))  # fmt: skip

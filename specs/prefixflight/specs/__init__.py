@@ -23,185 +23,107 @@ declarations, `ReferencePrefixEngine` and the adapters).
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+import typing
 
-from ._adapter import EngineAdapter, IndexAdapter, KVChange, PolicyAdapter, PoolView
-from ._backend import FakeBackend
-from ._declare import (
-    EngineCrashed,
-    EngineSemantics,
-    IndexSemantics,
-    PolicySemantics,
-    SchedulerSemantics,
-    Unsupported,
-    declared_differences,
-)
-from ._engine_ref import ReferencePrefixEngine
-from ._isolate import isolated
-from ._reference import (
-    ReferenceFIFO,
-    ReferenceLFU,
-    ReferenceLRU,
-    ReferenceReplay,
-    ReferenceS3FIFO,
-    ReferenceSIEVE,
-    reference_replay,
-)
-from ._sched_adapter import (
-    Delivery,
-    ScheduledRow,
-    SchedulerAdapter,
-    SchedulerLimits,
-    SchedulerPages,
-)
+from prefixflight.core._lazy import lazy_attributes as _lazy_attributes
 
-if TYPE_CHECKING:
-    from ._cache_machine import CacheConformance
-    from ._conform import machine_for
-    from ._curves import LRUCurveConformance, ReferenceLRUCurve
-    from ._engine_machine import PrefixEngineConformance
-    from ._flight import CoordinatorUnderTest, FlightCoordinatorMachine, FlightModel
-    from ._index_machine import KVIndexConformance
-    from ._machines import (
-        FIFOConformance,
-        LFUConformance,
-        LRUConformance,
-        PolicyConformance,
-        S3FIFOConformance,
-        SIEVEConformance,
-    )
-    from ._router import (
-        BurstRouterConformance,
-        ReferenceWindow,
-        WindowedRouter,
-        burst_configs,
-        chained_blocks,
-        reference_assign,
-        replica_loads,
-        route_batches,
-    )
-    from ._sched_machine import SchedulerConformance, sampled_token
-    from ._scheduler import SchedulerFactory, SchedulerMachine
-    from ._strategies import (
-        capacity_configs,
-        policy_configs,
-        s3fifo_configs,
-        small_ratios,
-        trace_records,
-        traces,
-    )
+from ._adapter import EngineAdapter as EngineAdapter
+from ._adapter import IndexAdapter as IndexAdapter
+from ._adapter import KVChange as KVChange
+from ._adapter import PolicyAdapter as PolicyAdapter
+from ._adapter import PoolView as PoolView
+from ._backend import FakeBackend as FakeBackend
+from ._declare import EngineCrashed as EngineCrashed
+from ._declare import EngineSemantics as EngineSemantics
+from ._declare import IndexSemantics as IndexSemantics
+from ._declare import PolicySemantics as PolicySemantics
+from ._declare import SchedulerSemantics as SchedulerSemantics
+from ._declare import Unsupported as Unsupported
+from ._declare import declared_differences as declared_differences
+from ._engine_ref import ReferencePrefixEngine as ReferencePrefixEngine
+from ._isolate import isolated as isolated
+from ._reference import ReferenceFIFO as ReferenceFIFO
+from ._reference import ReferenceLFU as ReferenceLFU
+from ._reference import ReferenceLRU as ReferenceLRU
+from ._reference import ReferenceReplay as ReferenceReplay
+from ._reference import ReferenceS3FIFO as ReferenceS3FIFO
+from ._reference import ReferenceSIEVE as ReferenceSIEVE
+from ._reference import reference_replay as reference_replay
+from ._sched_adapter import Delivery as Delivery
+from ._sched_adapter import ScheduledRow as ScheduledRow
+from ._sched_adapter import SchedulerAdapter as SchedulerAdapter
+from ._sched_adapter import SchedulerLimits as SchedulerLimits
+from ._sched_adapter import SchedulerPages as SchedulerPages
 
-# name -> module of the names whose modules import Hypothesis (loaded on first use)
+if typing.TYPE_CHECKING:
+    from ._cache_machine import CacheConformance as CacheConformance
+    from ._conform import machine_for as machine_for
+    from ._curves import LRUCurveConformance as LRUCurveConformance
+    from ._curves import ReferenceLRUCurve as ReferenceLRUCurve
+    from ._engine_machine import PrefixEngineConformance as PrefixEngineConformance
+    from ._flight import CoordinatorUnderTest as CoordinatorUnderTest
+    from ._flight import FlightCoordinatorMachine as FlightCoordinatorMachine
+    from ._flight import FlightModel as FlightModel
+    from ._index_machine import KVIndexConformance as KVIndexConformance
+    from ._machines import FIFOConformance as FIFOConformance
+    from ._machines import LFUConformance as LFUConformance
+    from ._machines import LRUConformance as LRUConformance
+    from ._machines import PolicyConformance as PolicyConformance
+    from ._machines import S3FIFOConformance as S3FIFOConformance
+    from ._machines import SIEVEConformance as SIEVEConformance
+    from ._router import BurstRouterConformance as BurstRouterConformance
+    from ._router import ReferenceWindow as ReferenceWindow
+    from ._router import WindowedRouter as WindowedRouter
+    from ._router import burst_configs as burst_configs
+    from ._router import chained_blocks as chained_blocks
+    from ._router import reference_assign as reference_assign
+    from ._router import replica_loads as replica_loads
+    from ._router import route_batches as route_batches
+    from ._sched_machine import SchedulerConformance as SchedulerConformance
+    from ._sched_machine import sampled_token as sampled_token
+    from ._scheduler import SchedulerFactory as SchedulerFactory
+    from ._scheduler import SchedulerMachine as SchedulerMachine
+    from ._strategies import capacity_configs as capacity_configs
+    from ._strategies import policy_configs as policy_configs
+    from ._strategies import s3fifo_configs as s3fifo_configs
+    from ._strategies import small_ratios as small_ratios
+    from ._strategies import trace_records as trace_records
+    from ._strategies import traces as traces
+
+# the names each module that imports Hypothesis defines; it is imported on first use of one
+# of them
 _LAZY = {
-    "CacheConformance": "_cache_machine",
-    "LRUCurveConformance": "_curves",
-    "machine_for": "_conform",
-    "ReferenceLRUCurve": "_curves",
-    "PrefixEngineConformance": "_engine_machine",
-    "CoordinatorUnderTest": "_flight",
-    "FlightCoordinatorMachine": "_flight",
-    "FlightModel": "_flight",
-    "KVIndexConformance": "_index_machine",
-    "FIFOConformance": "_machines",
-    "LFUConformance": "_machines",
-    "LRUConformance": "_machines",
-    "SIEVEConformance": "_machines",
-    "PolicyConformance": "_machines",
-    "S3FIFOConformance": "_machines",
-    "BurstRouterConformance": "_router",
-    "ReferenceWindow": "_router",
-    "WindowedRouter": "_router",
-    "burst_configs": "_router",
-    "chained_blocks": "_router",
-    "reference_assign": "_router",
-    "replica_loads": "_router",
-    "route_batches": "_router",
-    "SchedulerConformance": "_sched_machine",
-    "sampled_token": "_sched_machine",
-    "SchedulerFactory": "_scheduler",
-    "SchedulerMachine": "_scheduler",
-    "capacity_configs": "_strategies",
-    "policy_configs": "_strategies",
-    "s3fifo_configs": "_strategies",
-    "small_ratios": "_strategies",
-    "trace_records": "_strategies",
-    "traces": "_strategies",
-}
+    "_cache_machine": ("CacheConformance",),
+    "_conform": ("machine_for",),
+    "_curves": ("LRUCurveConformance", "ReferenceLRUCurve"),
+    "_engine_machine": ("PrefixEngineConformance",),
+    "_flight": ("CoordinatorUnderTest", "FlightCoordinatorMachine", "FlightModel"),
+    "_index_machine": ("KVIndexConformance",),
+    "_machines": (
+        "FIFOConformance", "LFUConformance", "LRUConformance", "PolicyConformance",
+        "S3FIFOConformance", "SIEVEConformance",
+    ),
+    "_router": (
+        "BurstRouterConformance", "ReferenceWindow", "WindowedRouter", "burst_configs",
+        "chained_blocks", "reference_assign", "replica_loads", "route_batches",
+    ),
+    "_sched_machine": ("SchedulerConformance", "sampled_token"),
+    "_scheduler": ("SchedulerFactory", "SchedulerMachine"),
+    "_strategies": (
+        "capacity_configs", "policy_configs", "s3fifo_configs", "small_ratios", "trace_records",
+        "traces",
+    ),
+}  # fmt: skip
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
-
-
-__all__ = [
-    "BurstRouterConformance",
-    "CacheConformance",
-    "CoordinatorUnderTest",
-    "Delivery",
-    "EngineAdapter",
-    "EngineCrashed",
-    "EngineSemantics",
-    "FIFOConformance",
-    "FakeBackend",
-    "FlightCoordinatorMachine",
-    "FlightModel",
-    "IndexAdapter",
-    "IndexSemantics",
-    "KVChange",
-    "KVIndexConformance",
-    "LFUConformance",
-    "LRUConformance",
-    "LRUCurveConformance",
-    "PolicyAdapter",
-    "PolicyConformance",
-    "PolicySemantics",
-    "PoolView",
-    "PrefixEngineConformance",
-    "ReferenceFIFO",
-    "ReferenceLFU",
-    "ReferenceLRU",
-    "ReferenceLRUCurve",
-    "ReferencePrefixEngine",
-    "ReferenceReplay",
-    "ReferenceS3FIFO",
-    "ReferenceSIEVE",
-    "ReferenceWindow",
-    "S3FIFOConformance",
-    "SIEVEConformance",
-    "ScheduledRow",
-    "SchedulerAdapter",
-    "SchedulerConformance",
-    "SchedulerFactory",
-    "SchedulerLimits",
-    "SchedulerMachine",
-    "SchedulerPages",
-    "SchedulerSemantics",
-    "Unsupported",
-    "WindowedRouter",
-    "burst_configs",
-    "capacity_configs",
-    "chained_blocks",
-    "declared_differences",
-    "isolated",
-    "machine_for",
-    "policy_configs",
-    "reference_assign",
-    "reference_replay",
-    "replica_loads",
-    "route_batches",
-    "s3fifo_configs",
-    "sampled_token",
-    "small_ratios",
-    "trace_records",
-    "traces",
-]
+# __all__ is the names imported above and the lazy ones; it is computed, which mypy cannot
+# read (it would export nothing), so type checkers see none of the three and read the
+# re-exports above
+if not typing.TYPE_CHECKING:
+    __getattr__, __dir__, __all__ = _lazy_attributes(globals(), _LAZY, eager=(
+        "EngineAdapter", "IndexAdapter", "KVChange", "PolicyAdapter", "PoolView", "FakeBackend",
+        "EngineCrashed", "EngineSemantics", "IndexSemantics", "PolicySemantics",
+        "SchedulerSemantics", "Unsupported", "declared_differences", "ReferencePrefixEngine",
+        "isolated", "ReferenceFIFO", "ReferenceLFU", "ReferenceLRU", "ReferenceReplay",
+        "ReferenceS3FIFO", "ReferenceSIEVE", "reference_replay", "Delivery", "ScheduledRow",
+        "SchedulerAdapter", "SchedulerLimits", "SchedulerPages",
+    ))  # fmt: skip

@@ -14,85 +14,51 @@ import typing
 from .._lazy import lazy_attributes as _lazy_attributes
 
 if typing.TYPE_CHECKING:
-    from ._build import compiled
-    from ._cache import (
-        AllBlocksCleared,
-        BlockRemoved,
-        BlockStored,
-        CacheStats,
-        EventSink,
-        KVEvent,
-        PrefixCache,
-    )
-    from ._curves import CurvePoint, LRUCurve, auto_capacities, lru_curve
-    from ._hashing import BlockHash, BlockHasher, HashAlgorithm
-    from ._policies import LRU, S3FIFO, EvictionPolicy
-    from ._registry import POLICIES, PolicyName, make_policy
-    from ._replay import ReplayConfig, ReplayReport, RequestResult, replay
-    from ._trace import TraceReader, TraceRecord, parse_trace_line
+    from ._build import compiled as compiled
+    from ._cache import AllBlocksCleared as AllBlocksCleared
+    from ._cache import BlockRemoved as BlockRemoved
+    from ._cache import BlockStored as BlockStored
+    from ._cache import CacheStats as CacheStats
+    from ._cache import EventSink as EventSink
+    from ._cache import KVEvent as KVEvent
+    from ._cache import PrefixCache as PrefixCache
+    from ._curves import CurvePoint as CurvePoint
+    from ._curves import LRUCurve as LRUCurve
+    from ._curves import auto_capacities as auto_capacities
+    from ._curves import lru_curve as lru_curve
+    from ._hashing import BlockHash as BlockHash
+    from ._hashing import BlockHasher as BlockHasher
+    from ._hashing import HashAlgorithm as HashAlgorithm
+    from ._policies import LRU as LRU
+    from ._policies import S3FIFO as S3FIFO
+    from ._policies import EvictionPolicy as EvictionPolicy
+    from ._registry import POLICIES as POLICIES
+    from ._registry import PolicyName as PolicyName
+    from ._registry import make_policy as make_policy
+    from ._replay import ReplayConfig as ReplayConfig
+    from ._replay import ReplayReport as ReplayReport
+    from ._replay import RequestResult as RequestResult
+    from ._replay import replay as replay
+    from ._trace import TraceReader as TraceReader
+    from ._trace import TraceRecord as TraceRecord
+    from ._trace import parse_trace_line as parse_trace_line
 
-# name -> the module that defines it (imported on first use of one of its names)
+# the names each module defines; it is imported on first use of one of them
 _LAZY = {
-    "compiled": "_build",
-    "AllBlocksCleared": "_cache",
-    "BlockRemoved": "_cache",
-    "BlockStored": "_cache",
-    "CacheStats": "_cache",
-    "EventSink": "_cache",
-    "KVEvent": "_cache",
-    "PrefixCache": "_cache",
-    "CurvePoint": "_curves",
-    "LRUCurve": "_curves",
-    "auto_capacities": "_curves",
-    "lru_curve": "_curves",
-    "BlockHash": "_hashing",
-    "BlockHasher": "_hashing",
-    "HashAlgorithm": "_hashing",
-    "LRU": "_policies",
-    "S3FIFO": "_policies",
-    "EvictionPolicy": "_policies",
-    "POLICIES": "_registry",
-    "PolicyName": "_registry",
-    "make_policy": "_registry",
-    "ReplayConfig": "_replay",
-    "ReplayReport": "_replay",
-    "RequestResult": "_replay",
-    "replay": "_replay",
-    "TraceReader": "_trace",
-    "TraceRecord": "_trace",
-    "parse_trace_line": "_trace",
-}
+    "_build": ("compiled",),
+    "_cache": (
+        "AllBlocksCleared", "BlockRemoved", "BlockStored", "CacheStats", "EventSink", "KVEvent",
+        "PrefixCache",
+    ),
+    "_curves": ("CurvePoint", "LRUCurve", "auto_capacities", "lru_curve"),
+    "_hashing": ("BlockHash", "BlockHasher", "HashAlgorithm"),
+    "_policies": ("LRU", "S3FIFO", "EvictionPolicy"),
+    "_registry": ("POLICIES", "PolicyName", "make_policy"),
+    "_replay": ("ReplayConfig", "ReplayReport", "RequestResult", "replay"),
+    "_trace": ("TraceReader", "TraceRecord", "parse_trace_line"),
+}  # fmt: skip
 
-
-__getattr__, __dir__ = _lazy_attributes(globals(), _LAZY)
-
-__all__ = [
-    "LRU",
-    "POLICIES",
-    "S3FIFO",
-    "AllBlocksCleared",
-    "BlockHash",
-    "BlockHasher",
-    "BlockRemoved",
-    "BlockStored",
-    "CacheStats",
-    "CurvePoint",
-    "EventSink",
-    "EvictionPolicy",
-    "HashAlgorithm",
-    "KVEvent",
-    "LRUCurve",
-    "PolicyName",
-    "PrefixCache",
-    "ReplayConfig",
-    "ReplayReport",
-    "RequestResult",
-    "TraceReader",
-    "TraceRecord",
-    "auto_capacities",
-    "compiled",
-    "lru_curve",
-    "make_policy",
-    "parse_trace_line",
-    "replay",
-]
+# __all__ is the lazy names; it is computed, which mypy cannot read (it would export
+# nothing), so type checkers see none of the three and read the re-exports above
+if not typing.TYPE_CHECKING:
+    __getattr__, __dir__, __all__ = _lazy_attributes(globals(), _LAZY)
