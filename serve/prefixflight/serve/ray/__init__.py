@@ -19,60 +19,47 @@ Names that need Ray (or ZMQ) are imported on first use, so the Ray-free ones wor
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import typing
 
-from .._residency import BlockSetResidency, FollowsReplicas, ResidencyFirstRouter
-from ._adapter import (
-    ROUTING_STATS_KEYS,
-    FallbackName,
-    FirstToken,
-    GenerateRequest,
-    GenerateResult,
-    RoutingState,
-    find_request,
-    replica_load,
-)
-from ._deployment import TINY_LLAMA, CharTokenizer, EngineReplica, ModelSpec
-from ._launch import ROUTERS, RouterName, router_config, run_local, shutdown
+from prefixflight.core._lazy import lazy_attributes as _lazy_attributes
 
-if TYPE_CHECKING:
-    from ._kv_residency import KV_ENDPOINT_KEYS, KVEventResidency
-    from ._router import BurstRequestRouter
+from .._residency import BlockSetResidency as BlockSetResidency
+from .._residency import FollowsReplicas as FollowsReplicas
+from .._residency import ResidencyFirstRouter as ResidencyFirstRouter
+from ._adapter import ROUTING_STATS_KEYS as ROUTING_STATS_KEYS
+from ._adapter import FallbackName as FallbackName
+from ._adapter import FirstToken as FirstToken
+from ._adapter import GenerateRequest as GenerateRequest
+from ._adapter import GenerateResult as GenerateResult
+from ._adapter import RoutingState as RoutingState
+from ._adapter import find_request as find_request
+from ._adapter import replica_load as replica_load
+from ._deployment import TINY_LLAMA as TINY_LLAMA
+from ._deployment import CharTokenizer as CharTokenizer
+from ._deployment import EngineReplica as EngineReplica
+from ._deployment import ModelSpec as ModelSpec
+from ._launch import ROUTERS as ROUTERS
+from ._launch import RouterName as RouterName
+from ._launch import router_config as router_config
+from ._launch import run_local as run_local
+from ._launch import shutdown as shutdown
 
-__all__ = [
-    "ROUTERS",
-    "KV_ENDPOINT_KEYS",
-    "ROUTING_STATS_KEYS",
-    "TINY_LLAMA",
-    "BlockSetResidency",
-    "BurstRequestRouter",
-    "CharTokenizer",
-    "EngineReplica",
-    "FallbackName",
-    "FirstToken",
-    "FollowsReplicas",
-    "GenerateRequest",
-    "GenerateResult",
-    "KVEventResidency",
-    "ModelSpec",
-    "ResidencyFirstRouter",
-    "RouterName",
-    "RoutingState",
-    "find_request",
-    "replica_load",
-    "router_config",
-    "run_local",
-    "shutdown",
-]
+if typing.TYPE_CHECKING:
+    from ._kv_residency import KV_ENDPOINT_KEYS as KV_ENDPOINT_KEYS
+    from ._kv_residency import KVEventResidency as KVEventResidency
+    from ._router import BurstRequestRouter as BurstRequestRouter
 
+# the names that need Ray (_router) or ZMQ (_kv_residency), imported on first use
+_LAZY = {
+    "_kv_residency": ("KV_ENDPOINT_KEYS", "KVEventResidency"),
+    "_router": ("BurstRequestRouter",),
+}
 
-def __getattr__(name: str) -> Any:
-    if name == "BurstRequestRouter":  # imports Ray
-        from ._router import BurstRequestRouter
-
-        return BurstRequestRouter
-    if name in ("KVEventResidency", "KV_ENDPOINT_KEYS"):  # imports ZMQ
-        from . import _kv_residency
-
-        return getattr(_kv_residency, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# __all__ is computed (see prefixflight.core._lazy): type checkers read the re-exports above
+if not typing.TYPE_CHECKING:
+    __getattr__, __dir__, __all__ = _lazy_attributes(globals(), _LAZY, eager=(
+        "ROUTERS", "ROUTING_STATS_KEYS", "TINY_LLAMA", "BlockSetResidency", "CharTokenizer",
+        "EngineReplica", "FallbackName", "FirstToken", "FollowsReplicas", "GenerateRequest",
+        "GenerateResult", "ModelSpec", "ResidencyFirstRouter", "RouterName", "RoutingState",
+        "find_request", "replica_load", "router_config", "run_local", "shutdown",
+    ))  # fmt: skip
