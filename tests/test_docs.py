@@ -66,9 +66,7 @@ SERVER = "http://127.0.0.1:8000/v1"
 `test_the_readme_serving_example_prints_what_it_shows`, against a server started for it."""
 
 
-@pytest.mark.parametrize(
-    "name", ["README.md", "docs/cache.md", "docs/flight.md", "docs/router.md"]
-)
+@pytest.mark.parametrize("name", ["README.md", "docs/cache.md", "docs/flight.md", "docs/router.md"])
 def test_examples_with_shown_output_print_it(name: str) -> None:
     page = ROOT / name
     found = [(code, out) for code, out in blocks(page) if out is not None and SERVER not in code]
@@ -171,8 +169,7 @@ def test_the_benchmarks_index_names_every_script_in_its_folder() -> None:
         for name in re.findall(r"`([\w.]+\.(?:py|sh))`", row.split(" | ", 1)[0])
     }
     scripts = {
-        p.relative_to(bench).as_posix()
-        for p in [*bench.glob("*/*.py"), *bench.glob("*/*.sh")]
+        p.relative_to(bench).as_posix() for p in [*bench.glob("*/*.py"), *bench.glob("*/*.sh")]
     }
     assert scripts - listed == set(), "not in benchmarks/README.md"
     assert listed - scripts == set(), "listed in benchmarks/README.md but not there"

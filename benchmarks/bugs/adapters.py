@@ -36,9 +36,7 @@ class VLLMPriorityScheduler(VLLMSchedulerAdapter):
     """vLLM's `Scheduler` under the priority policy with ``long_prefill_token_threshold=4``
     (a long prompt is scheduled 4 tokens a step), at block size 4 (the documented example's)."""
 
-    semantics = attrs.evolve(
-        VLLMSchedulerAdapter.semantics, policies={"priority"}, chunking="any"
-    )
+    semantics = attrs.evolve(VLLMSchedulerAdapter.semantics, policies={"priority"}, chunking="any")
     configs = st.just(4)
 
     def __init__(self, limits: Any) -> None:

@@ -169,7 +169,8 @@ def run_one(
         exit=code,
         ok=code == expected,
         seconds=seconds,
-        command="prefixflight conform " + " ".join(case["args"])
+        command="prefixflight conform "
+        + " ".join(case["args"])
         + f" --examples {examples} --steps {steps} --seed {seed}",
         examples=examples,
         found_after_examples=failed[0]["found_after_examples"] if failed else None,
@@ -185,7 +186,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
     head = f"{'case':44} {'release':8} {'want':>4} {'got':>4} {'s':>6} {'found after':>12}"
     lines = [head, "-" * len(head)]
     for r in rows:
-        after = (f"{r['found_after_examples']} ex" if r.get("found_after_examples") else "")
+        after = f"{r['found_after_examples']} ex" if r.get("found_after_examples") else ""
         got = "-" if r.get("exit") is None else str(r["exit"])
         mark = "" if r["ok"] else "  MISMATCH"
         lines.append(f"{r['case']:44} {r['release']:8} {r['expected']:>4} {got:>4} "
@@ -200,8 +201,11 @@ def recall(cases: list[dict[str, Any]], rows: list[dict[str, Any]]) -> dict[str,
     for name in ("real", "mutant"):
         ids = [c["id"] for c in cases if c["set"] == name]
         ran = [i for i in ids if any(r["case"] == i for r in rows)]
-        found = [i for i in ran
-                 if all(r["exit"] == 1 for r in rows if r["case"] == i and r["expected"] == 1)]
+        found = [
+            i
+            for i in ran
+            if all(r["exit"] == 1 for r in rows if r["case"] == i and r["expected"] == 1)
+        ]
         exact = [i for i in ran if all(r["ok"] for r in rows if r["case"] == i)]  # fmt: skip
         if ran:
             out[name] = {"bugs": len(ran), "found": len(found), "all_runs_as_expected": len(exact),
@@ -215,8 +219,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--case", action="append", metavar="ID", help="only this case (repeatable)")
     ap.add_argument("--engine", action="append", metavar="NAME", help="only this engine's")
     ap.add_argument("--set", choices=("real", "mutant"), help="only this set")
-    ap.add_argument("--ci", action="store_true",
-                    help="only the cases with a `ci` release, at that release (CI's runs)")
+    ap.add_argument(
+        "--ci",
+        action="store_true",
+        help="only the cases with a `ci` release, at that release (CI's runs)",
+    )
     ap.add_argument("--json", type=Path, metavar="FILE", help="write the results here")
     args = ap.parse_args(argv)
     data = load()
@@ -264,8 +271,11 @@ def main(argv: list[str] | None = None) -> int:
         chosen = {c["id"] for c in cases}
         kept = [r for r in doc["runs"] if r["case"] not in chosen]
         doc["runs"] = sorted([*kept, *rows], key=lambda r: order[(r["case"], r["release"])])
-        doc["cases"] = {c["id"]: {k: v for k, v in c.items() if k != "id"}
-                        for c in data["case"] if any(r["case"] == c["id"] for r in doc["runs"])}
+        doc["cases"] = {
+            c["id"]: {k: v for k, v in c.items() if k != "id"}
+            for c in data["case"]
+            if any(r["case"] == c["id"] for r in doc["runs"])
+        }
         doc["recall"] = recall(data["case"], doc["runs"])
         if "command" in doc:
             doc["commands"] = [doc.pop("command")]

@@ -333,9 +333,7 @@ def main() -> int:
     if args.json:
         config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
         del config["json"]
-        harness.write_json(
-            args.json, {"load_average_after": load, "config": config, "rows": rows}
-        )
+        harness.write_json(args.json, {"load_average_after": load, "config": config, "rows": rows})
     return 0
 
 

@@ -293,8 +293,10 @@ def launch(
         **(env or {}),
     }
     environ.pop("PYTHONPATH", None)  # the project's paths are not vLLM's
-    path = Path(log_path) if log_path is not None else Path(
-        tempfile.mkstemp(prefix="vllm-", suffix=".log")[1]
+    path = (
+        Path(log_path)
+        if log_path is not None
+        else Path(tempfile.mkstemp(prefix="vllm-", suffix=".log")[1])
     )
     log = path.open("wb")
     started = time.monotonic()

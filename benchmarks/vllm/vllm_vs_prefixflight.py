@@ -470,9 +470,7 @@ async def run_workloads(
                     return list(
                         await asyncio.gather(
                             *(
-                                _request(
-                                    client, prompt=p, max_tokens=long["max_tokens"], salt=salt
-                                )
+                                _request(client, prompt=p, max_tokens=long["max_tokens"], salt=salt)
                                 for p in long["prompts"]
                             )
                         )

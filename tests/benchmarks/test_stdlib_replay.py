@@ -76,8 +76,18 @@ def test_the_stdlib_script_equals_the_library(
 def test_the_startup_benchmark_runs(tmp_path: Path) -> None:
     out = tmp_path / "startup.json"
     proc = subprocess.run(
-        [sys.executable, str(_BENCH / "startup.py"), "--trace", "bundled:synthetic",
-         "--capacity", "256", "--rounds", "1", "--json", str(out)],
+        [
+            sys.executable,
+            str(_BENCH / "startup.py"),
+            "--trace",
+            "bundled:synthetic",
+            "--capacity",
+            "256",
+            "--rounds",
+            "1",
+            "--json",
+            str(out),
+        ],
         capture_output=True,
         text=True,
         timeout=300,

@@ -164,10 +164,26 @@ def test_a_failed_write_keeps_the_old_file_and_leaves_no_partial(
     args = {
         "replay": ["replay", str(trace), "--capacity-blocks", "8", "-o", str(out)],
         "sweep": ["sweep", str(trace), "--capacities", "2,8", "-j", "1", "--json", str(out)],
-        "simulate router": ["simulate", "router", "--steps", "2", "--prompts", "2",
-                            "--json", str(out)],
-        "simulate flight": ["simulate", "flight", "--output-tokens", "8",
-                            "--late-after-tokens", "2", "--json", str(out)],
+        "simulate router": [
+            "simulate",
+            "router",
+            "--steps",
+            "2",
+            "--prompts",
+            "2",
+            "--json",
+            str(out),
+        ],
+        "simulate flight": [
+            "simulate",
+            "flight",
+            "--output-tokens",
+            "8",
+            "--late-after-tokens",
+            "2",
+            "--json",
+            str(out),
+        ],
     }[command]
     proc = cli(*args, preexec_fn=_limit_file_size)
     one_line_error(proc, 1, "cannot write", str(out))
@@ -194,18 +210,37 @@ def test_write_atomic_replaces_whole_files_only(tmp_path: Path) -> None:
     ("args", "fragment"),
     [
         (["replay", "bundled:synthetic", "--capacity-blocks", "-1"], "--capacity-blocks"),
-        (["replay", "bundled:synthetic", "--capacity-blocks", "8", "--small-ratio", "1.5"],
-         "--small-ratio"),
-        (["replay", "bundled:synthetic", "--capacity-blocks", "8", "--block-size", "0"],
-         "--block-size"),
-        (["replay", "bundled:synthetic", "--capacity-blocks", "8", "--max-freq", "2",
-          "--ghost-admit-freq", "3"], "ghost_admit_freq"),
-        (["sweep", "bundled:synthetic", "--capacities", "8", "--small-ratio", "nan"],
-         "--small-ratio"),
+        (
+            ["replay", "bundled:synthetic", "--capacity-blocks", "8", "--small-ratio", "1.5"],
+            "--small-ratio",
+        ),
+        (
+            ["replay", "bundled:synthetic", "--capacity-blocks", "8", "--block-size", "0"],
+            "--block-size",
+        ),
+        (
+            [
+                "replay",
+                "bundled:synthetic",
+                "--capacity-blocks",
+                "8",
+                "--max-freq",
+                "2",
+                "--ghost-admit-freq",
+                "3",
+            ],
+            "ghost_admit_freq",
+        ),
+        (
+            ["sweep", "bundled:synthetic", "--capacities", "8", "--small-ratio", "nan"],
+            "--small-ratio",
+        ),
         (["simulate", "router", "--replicas", "0"], "--replicas"),
         (["simulate", "router", "--window-ms", "20000"], "window_ms"),
-        (["simulate", "flight", "--output-tokens", "8", "--late-after-tokens", "9"],
-         "--late-after-tokens"),
+        (
+            ["simulate", "flight", "--output-tokens", "8", "--late-after-tokens", "9"],
+            "--late-after-tokens",
+        ),
         (["bench", "ttft", "--threads", "0"], "--threads"),
     ],
 )

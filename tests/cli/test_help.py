@@ -39,8 +39,17 @@ def test_every_flag_of_every_command_has_a_help_text() -> None:
 
 @pytest.mark.parametrize(
     "argv",
-    [[], ["replay"], ["sweep"], ["simulate", "flight"], ["simulate", "router"],
-     ["bench", "ttft"], ["bench", "calibrate"], ["demo"], ["serve"]],
+    [
+        [],
+        ["replay"],
+        ["sweep"],
+        ["simulate", "flight"],
+        ["simulate", "router"],
+        ["bench", "ttft"],
+        ["bench", "calibrate"],
+        ["demo"],
+        ["serve"],
+    ],
 )
 def test_help_shows_defaults_once_and_names_no_internal_references(
     argv: list[str], capsys: pytest.CaptureFixture[str]

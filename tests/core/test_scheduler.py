@@ -795,9 +795,7 @@ _VOCAB = 2000
     [(2**63, None), (2**64 + 5, None), (-1, None), (1.0, None), ("7", None), (_VOCAB, _VOCAB)],
     ids=["2**63", "2**64+5", "negative", "float", "str", "outside-vocabulary"],
 )
-def test_sampled_token_ids_are_checked_before_any_change(
-    token: object, vocab: int | None
-) -> None:
+def test_sampled_token_ids_are_checked_before_any_change(token: object, vocab: int | None) -> None:
     """A sampled id >= 2**63 used to be appended, the step half applied, and the next step
     failed: the request never finished. The whole result is checked first; where the
     scheduler knows the vocabulary, ids outside it are rejected too."""

@@ -97,9 +97,7 @@ async def burst(handle: Any, ids: tuple[int, ...], n: int, max_tokens: int) -> l
 
 def test_a_burst_of_identical_prompts_lands_on_one_replica(handle: Any) -> None:
     async def run() -> tuple[list[Any], list[Any]]:
-        return await asyncio.gather(
-            burst(handle, prompt(1), 8, 4), burst(handle, prompt(2), 8, 4)
-        )
+        return await asyncio.gather(burst(handle, prompt(1), 8, 4), burst(handle, prompt(2), 8, 4))
 
     a, b = asyncio.run(run())
     for group in (a, b):
@@ -162,13 +160,9 @@ def test_a_killed_replica_is_dropped_without_losing_other_requests(handle: Any) 
 
     async def run() -> tuple[str, list[Any], list[Any]]:
         streaming = handle.options(stream=True)
-        reqs = {
-            g: GenerateRequest(prompt_ids=prompt(10 + g), max_tokens=300) for g in range(2)
-        }
+        reqs = {g: GenerateRequest(prompt_ids=prompt(10 + g), max_tokens=300) for g in range(2)}
         streams = {g: [streaming.stream.remote(reqs[g]) for _ in range(4)] for g in range(2)}
-        firsts = {
-            g: await asyncio.gather(*(s.__anext__() for s in streams[g])) for g in range(2)
-        }
+        firsts = {g: await asyncio.gather(*(s.__anext__() for s in streams[g])) for g in range(2)}
         for g in range(2):  # every request is running: it has its first token
             assert all(isinstance(f, FirstToken) for f in firsts[g])
         victim = firsts[0][0].replica

@@ -272,8 +272,12 @@ def test_ours_refuses_without_changing_anything() -> None:
         ({"policy": "arc"}, "policy must be one of"),
         ({"policy": "s3fifo"}, "got capacity='fixed', orphans='kept'"),
         (
-            {"policy": "lru", "capacity": "shared-pool", "orphans": "removed",
-             "invalidated": "in-place"},
+            {
+                "policy": "lru",
+                "capacity": "shared-pool",
+                "orphans": "removed",
+                "invalidated": "in-place",
+            },
             "got invalidated='in-place'",
         ),
     ],

@@ -83,9 +83,7 @@ def _machine(factory: Any, semantics: IndexSemantics | None = None) -> type[Any]
 def test_our_router_index_passes_under_its_declaration() -> None:
     assert machine_for(ReplicaIndexAdapter).__mro__[1] is KVIndexConformance
     run_state_machine_as_test(KVIndexConformance, settings=_PASS)
-    assert [d["name"] for d in declared_differences(ReplicaIndexAdapter.semantics)] == [
-        "order"
-    ]
+    assert [d["name"] for d in declared_differences(ReplicaIndexAdapter.semantics)] == ["order"]
 
 
 @pytest.mark.parametrize(("set_back", "says"), [({"order": "any"}, "the index predicts")])

@@ -296,9 +296,7 @@ SINGLE_QUEUE: list[tuple[type[PolicyConformance], type[Any], dict[str, bool]]] =
 ]
 
 
-@pytest.mark.parametrize(
-    ("machine", "impl", "broken"), SINGLE_QUEUE, ids=["fifo", "lfu", "sieve"]
-)
+@pytest.mark.parametrize(("machine", "impl", "broken"), SINGLE_QUEUE, ids=["fifo", "lfu", "sieve"])
 def test_single_queue_machines_pass_the_policy_and_catch_a_broken_one(
     machine: type[PolicyConformance], impl: type[Any], broken: dict[str, Any]
 ) -> None:

@@ -107,8 +107,7 @@ def summary(report: Mapping[str, Any]) -> str:
         late = rows.get((size, "on_completion"))
         if late is not None:
             sentence += (
-                f"; waiting for the leader's whole answer instead took "
-                f"{_ms(late['mean_ttft'])}"
+                f"; waiting for the leader's whole answer instead took {_ms(late['mean_ttft'])}"
             )
         lines.append(sentence + ".")
     lines.append("`prefixflight bench ttft` runs the full benchmark, with tables and JSON.")

@@ -65,9 +65,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             "override --config. Exit status: 0 ok, 1 bad input data, 2 usage error."
         ),
     )
-    p.add_argument(
-        "trace", metavar="TRACE", help="a path, a .gz file, '-' (stdin) or bundled:NAME"
-    )
+    p.add_argument("trace", metavar="TRACE", help="a path, a .gz file, '-' (stdin) or bundled:NAME")
     p.add_argument(
         "--policy", type=eviction_policy, default=None, help=POLICY_CHOICES + _default("policy")
     )

@@ -95,9 +95,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         metavar="N",
         help="worker processes for S3FIFO (default: the CPU count)",
     )
-    p.add_argument(
-        "--json", type=output_file, metavar="FILE", help="write the curves as JSON here"
-    )
+    p.add_argument("--json", type=output_file, metavar="FILE", help="write the curves as JSON here")
     p.add_argument(
         "--plot",
         type=output_file,

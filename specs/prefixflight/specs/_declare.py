@@ -311,8 +311,7 @@ class PolicySemantics:
             odd = [f for f in _S3FIFO_ONLY if getattr(self, f) != getattr(base, f)]
             if odd:
                 raise UsageError(
-                    f"{', '.join(odd)} declare an S3-FIFO variant, but policy is "
-                    f"{self.policy!r}"
+                    f"{', '.join(odd)} declare an S3-FIFO variant, but policy is {self.policy!r}"
                 )
         if self.small_queue == "when-full" and "pin" in self.ops:
             raise UsageError("small_queue='when-full' is modelled without pins")
@@ -416,8 +415,7 @@ _MEANING: Mapping[tuple[str, str], str] = {
     ("invalidated", "in-place"): "an invalidated page keeps its place in the eviction order",
     ("evictions", "observed"): "evictions are not returned; resident sets are compared",
     ("sizing", "floor"): "the small queue holds floor(capacity * small_ratio) blocks",
-    ("sizing", "floor-min-1"): "the small queue holds max(1, floor(capacity * small_ratio)) "
-    "blocks",
+    ("sizing", "floor-min-1"): "the small queue holds max(1, floor(capacity * small_ratio)) blocks",
     ("ghost_size", "capacity"): "the ghost remembers as many blocks as the cache holds",
     ("ghost_size", "small"): "the ghost remembers as many blocks as the small queue holds",
     ("main_evictions", "drop"): "a block evicted from main is forgotten (only small-queue "

@@ -84,6 +84,7 @@ def _engine_hint(has: set[str]) -> str:
     reported = "" if "events" in has else ', evictions="observed"'
     return f"semantics = EngineSemantics(ops={declared}{reported}, ...)"
 
+
 _ALPHABET = ALPHABET
 _MAX_RUNNING = 4
 

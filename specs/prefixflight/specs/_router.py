@@ -128,9 +128,7 @@ def reference_assign(
             name: max((_common_prefix(unit_key, pk) for pk in keys), default=0)
             for name, keys in placed_keys.items()
         }
-        warm = {
-            name: 0 if known is None else known.prefix_blocks(name, unit_key) for name in load
-        }
+        warm = {name: 0 if known is None else known.prefix_blocks(name, unit_key) for name in load}
         held = {name: max(match[name], warm[name]) for name in load}
         on: dict[str, int] = {name: 0 for name in load}
         left = list(members)

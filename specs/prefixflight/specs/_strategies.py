@@ -45,6 +45,7 @@ def draw_supported(
     assume(False)  # declined 25 draws in a row: this example tests nothing
     raise AssertionError("unreachable")  # pragma: no cover
 
+
 small_ratios = st.sampled_from([0.0, 0.1, 0.25, 0.5, 0.75, 1.0, 0.3333])
 """Ratios that exercise rounding: 0.5 and 0.25 hit exact halves (banker's rounding)."""
 

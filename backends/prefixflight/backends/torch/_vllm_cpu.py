@@ -119,8 +119,7 @@ class VllmCpuAttention:
             )
         if pool.page_size % 16:
             raise ConfigError(
-                f"vLLM's CPU attention needs pages of a multiple of 16 tokens, "
-                f"not {pool.page_size}"
+                f"vLLM's CPU attention needs pages of a multiple of 16 tokens, not {pool.page_size}"
             )
         if num_heads % pool.num_kv_heads:
             raise ConfigError(
@@ -202,4 +201,3 @@ class VllmCpuAttention:
             keys.contiguous(), values.contiguous(), k_cache, v_cache, slots, self.isa,
             1.0, 1.0, "auto",
         )  # fmt: skip
-

@@ -22,7 +22,6 @@ if TYPE_CHECKING:
 __all__ = ["ReplayConfig", "ReplayReport", "RequestResult", "replay"]
 
 
-
 @final
 @attrs.frozen(kw_only=True)
 class ReplayConfig:

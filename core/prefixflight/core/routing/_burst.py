@@ -337,9 +337,7 @@ class _Placement:
         warm = {name: known.prefix_blocks(name, unit.key) for name in self.ordered}
         return {name: n for name, n in warm.items() if n > 0}
 
-    def primary(
-        self, per_replica: dict[str, int], matches: dict[str, int], m: int
-    ) -> str | None:
+    def primary(self, per_replica: dict[str, int], matches: dict[str, int], m: int) -> str | None:
         """The replica to co-locate with: under ``k`` members of this unit and under the fair
         share, matching at least ``m`` blocks; the longest match, then the least loaded
         (batch load, running requests, name)."""
@@ -621,9 +619,7 @@ class BurstRouter:
 
     # -- internals ----------------------------------------------------------------------------
     def _seal(self) -> tuple[Assignment, ...]:
-        out = assign_batch(
-            tuple(self._pending.values()), self._replicas, self._config, self._known
-        )
+        out = assign_batch(tuple(self._pending.values()), self._replicas, self._config, self._known)
         self._pending = {}  # only once the assignment exists: a failure loses nothing
         self._deadline = self._opened = None
         self._releases.clear()

@@ -234,9 +234,7 @@ class ReplicaBlockIndex:
                 evicted += 1
         self._stats = attrs.evolve(self._stats, evicted=self._stats.evicted + evicted)
 
-    def _rebuild(
-        self, event: WireBlockStored, hasher: BlockHasher
-    ) -> tuple[BlockHash, ...] | None:
+    def _rebuild(self, event: WireBlockStored, hasher: BlockHasher) -> tuple[BlockHash, ...] | None:
         n = len(event.block_hashes)
         if event.block_size != hasher.block_size or len(event.token_ids) != n * hasher.block_size:
             return None
@@ -299,7 +297,6 @@ class ReplicaBlockIndex:
             unknown_removed=s.unknown_removed + unknown_removed,
             evicted=s.evicted,
         )
-
 
 
 @final
@@ -425,4 +422,3 @@ class ReplicaFeed:
 def _check_seq(seq: object) -> None:
     if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
         raise UsageError(f"seq must be an int >= 0, got {seq!r}")
-

@@ -65,6 +65,7 @@ ErrorKind: TypeAlias = Literal[
 - ``internal``: anything else the thread hit (it goes on).
 """
 
+
 @attrs.frozen
 class PublisherAddress:
     """Where one replica publishes: its PUB endpoint and, optionally, its replay endpoint.
@@ -226,9 +227,7 @@ class KVEventSubscriber:
         self._applied = threading.Condition()
         self._thread: threading.Thread | None = None
         self._topics: dict[str, str] = {}
-        self._changes: queue.SimpleQueue[tuple[str, PublisherAddress | None]] = (
-            queue.SimpleQueue()
-        )
+        self._changes: queue.SimpleQueue[tuple[str, PublisherAddress | None]] = queue.SimpleQueue()
         for name, a in addresses.items():
             self._follow(name, a)
 

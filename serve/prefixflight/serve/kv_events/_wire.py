@@ -81,9 +81,7 @@ class KVEventFormatError(UsageError):
 
 _Hash: TypeAlias = int | Annotated[bytes, msgspec.Meta(min_length=1)]
 _BlockSize: TypeAlias = Annotated[int, msgspec.Meta(ge=1)]
-_Finite: TypeAlias = Annotated[
-    float, msgspec.Meta(ge=-sys.float_info.max, le=sys.float_info.max)
-]
+_Finite: TypeAlias = Annotated[float, msgspec.Meta(ge=-sys.float_info.max, le=sys.float_info.max)]
 _ExtraKeys: TypeAlias = tuple[tuple[Any, ...] | None, ...] | None
 
 
@@ -97,9 +95,7 @@ def _tuples(struct: msgspec.Struct, *names: str) -> None:
 
 
 @final
-class WireBlockStored(
-    msgspec.Struct, frozen=True, omit_defaults=True, gc=False, tag="BlockStored"
-):
+class WireBlockStored(msgspec.Struct, frozen=True, omit_defaults=True, gc=False, tag="BlockStored"):
     """vLLM's ``BlockStored``: blocks entered the cache, chained after ``parent_block_hash``.
 
     ``token_ids`` holds ``block_size`` tokens per block (empty when the publisher sends
@@ -376,9 +372,7 @@ def _decode(payload: bytes) -> WireBatch:
         arr: Any = _decode_array(payload)
     except msgspec.ValidationError:
         return _decode_slowly(payload)  # mixed forms, a map batch, or an error to name
-    return WireBatch(
-        arr.ts, tuple(_public(e) for e in arr.events), arr.data_parallel_rank
-    )
+    return WireBatch(arr.ts, tuple(_public(e) for e in arr.events), arr.data_parallel_rank)
 
 
 def _public(e: _ArrayEvent) -> WireEvent:
@@ -428,7 +422,7 @@ def _convert(value: object, kind: Any, where: str, fields: tuple[str, ...] = ())
         index = _INDEX.match(path)
         if fields and index:  # $[k] of a positional event is field k-1 (k=0 is the tag)
             k = int(index[1])
-            path = "." + (fields[k - 1] if 0 < k <= len(fields) else "type") + path[index.end():]
+            path = "." + (fields[k - 1] if 0 < k <= len(fields) else "type") + path[index.end() :]
         missing = re.match(r"Expected `array` of at least length (\d+)", message)
         if fields and missing and isinstance(value, list):
             names = fields[len(value) - 1 : int(missing[1]) - 1]

@@ -36,7 +36,6 @@ _LOOPBACK = "tcp://127.0.0.1:*"
 ModelKind: TypeAlias = Literal["llama-config", "smollm2"]
 
 
-
 def _check_kind(_i: object, _a: object, value: object) -> None:
     if value not in ("llama-config", "smollm2"):
         raise ConfigError(f"model kind must be 'llama-config' or 'smollm2', got {value!r}")

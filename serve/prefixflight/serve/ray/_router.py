@@ -195,9 +195,7 @@ class BurstRequestRouter(OwnRequestRoutingMixin, RequestRouter):
             self._state.drop_replica(name)
         return [list(self.curr_replicas.values())]
 
-    async def _decide(
-        self, rid: str, request: Any, candidates: Sequence[RunningReplica]
-    ) -> str:
+    async def _decide(self, rid: str, request: Any, candidates: Sequence[RunningReplica]) -> str:
         loop = asyncio.get_running_loop()
         future = self._waiters.get(rid)
         if future is None:  # another routing task may already wait for this request

@@ -109,7 +109,6 @@ class OwnRequestRoutingMixin:
             await choices.aclose()
 
 
-
 class PrefixCacheAffinityRouter(OwnRequestRoutingMixin, _RayPrefixCacheAffinityRouter):
     """Ray's ``PrefixCacheAffinityRouter``, unchanged but for `OwnRequestRoutingMixin`: it
     picks a replica for one request, as ours does, and without the mixin 1-3 requests of
