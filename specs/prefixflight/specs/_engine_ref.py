@@ -322,7 +322,11 @@ class ReferencePrefixEngine:
 
     def _access(self, keys: Sequence[Key]) -> None:
         """The policy's accesses; what it evicts on them leaves the cache (every page)."""
-        for key in self.policy.access(keys):
+        self._drop_blocks(self.policy.access(keys))
+
+    def _drop_blocks(self, evicted: Sequence[Key]) -> None:
+        """Blocks the policy evicted leave the cache (every page), in its order."""
+        for key in evicted:
             self._drop_block(key)
 
     def _policy_hits(self, hits: Sequence[_Copy]) -> None:
@@ -346,8 +350,7 @@ class ReferencePrefixEngine:
                 except CapacityError:
                     continue
                 if key not in self.policy:
-                    for k in evicted:
-                        self._drop_block(k)
+                    self._drop_blocks(evicted)
                     continue
                 self.store[key] = []
             else:
@@ -357,8 +360,7 @@ class ReferencePrefixEngine:
             run.own -= 1
             self.policy.pin(key)
             published[i] = copy
-            for k in evicted:
-                self._drop_block(k)
+            self._drop_blocks(evicted)
             self._mark_redundant()
         run.held.extend(published[i] for i in sorted(published))
 
