@@ -140,31 +140,7 @@ class _Batch:
         self.group_rows: torch.Tensor | None = None
         self.row_slots: torch.Tensor | None = None
         if shared:
-            if len(groups) == 1 and all(
-                b == a + 1 for a, b in itertools.pairwise(tables[0][:shared])
-            ):
-                self.shared_span = tables[0][0] * page_size
-            else:
-                padded = [
-                    [*tables[m[0]][:c]] + [0] * (shared - c)
-                    for m, c in zip(groups, counts, strict=True)
-                ]
-                self.shared_pages = torch.tensor(padded, dtype=torch.long, device=dev).view(-1)
-            most = max(map(len, groups))
-            slots = [m[k] if k < len(m) else m[0] for m in groups for k in range(most)]
-            where = [0] * self.rows
-            for g, members in enumerate(groups):
-                for k, i in enumerate(members):
-                    where[i] = g * most + k
-            if slots != list(range(self.rows)):  # else: one group, rows in order
-                self.group_rows = torch.tensor(slots, dtype=torch.long, device=dev)
-                self.row_slots = torch.tensor(where, dtype=torch.long, device=dev)
-            if min(counts) < shared:  # a group's keys past its shared pages are masked
-                cols = torch.arange(shared * page_size, device=dev)
-                seen = torch.tensor(counts, device=dev).unsqueeze(-1) * page_size
-                self.shared_seen = (cols.unsqueeze(0) < seen).view(
-                    1, len(groups), 1, shared * page_size
-                )
+            self._share(groups, counts, tables, page_size, dev)
         width = max(len(t) - c for t, c in zip(tables, of_row, strict=True))
         rest = [[*t[c:]] + [0] * (width - len(t) + c) for t, c in zip(tables, of_row, strict=True)]
         self.pages = torch.tensor(rest, dtype=torch.long).view(-1).to(dev)
@@ -178,6 +154,42 @@ class _Batch:
         qp = torch.tensor(qpos, dtype=torch.long, device=dev)
         self.allowed = keys.unsqueeze(1) <= qp.unsqueeze(-1)  # [rows, q, W]
         self.bias: dict[torch.dtype, torch.Tensor] = {}
+
+    def _share(
+        self,
+        groups: list[list[int]],
+        counts: list[int],
+        tables: Sequence[Sequence[int]],
+        page_size: int,
+        dev: torch.device,
+    ) -> None:
+        """Where the groups' shared pages are read from (one consecutive span, or pages to
+        gather, padded to the longest), the rows' slots among the padded groups, and the mask
+        of a group's keys past its own shared pages."""
+        shared = self.shared
+        if len(groups) == 1 and all(b == a + 1 for a, b in itertools.pairwise(tables[0][:shared])):
+            self.shared_span = tables[0][0] * page_size
+        else:
+            padded = [
+                [*tables[m[0]][:c]] + [0] * (shared - c)
+                for m, c in zip(groups, counts, strict=True)
+            ]
+            self.shared_pages = torch.tensor(padded, dtype=torch.long, device=dev).view(-1)
+        most = max(map(len, groups))
+        slots = [m[k] if k < len(m) else m[0] for m in groups for k in range(most)]
+        where = [0] * self.rows
+        for g, members in enumerate(groups):
+            for k, i in enumerate(members):
+                where[i] = g * most + k
+        if slots != list(range(self.rows)):  # else: one group, rows in order
+            self.group_rows = torch.tensor(slots, dtype=torch.long, device=dev)
+            self.row_slots = torch.tensor(where, dtype=torch.long, device=dev)
+        if min(counts) < shared:  # a group's keys past its shared pages are masked
+            cols = torch.arange(shared * page_size, device=dev)
+            seen = torch.tensor(counts, device=dev).unsqueeze(-1) * page_size
+            self.shared_seen = (cols.unsqueeze(0) < seen).view(
+                1, len(groups), 1, shared * page_size
+            )
 
     def bias_of(self, dtype: torch.dtype) -> torch.Tensor:
         """The additive mask ``[1, rows, 1, q, W]`` in ``dtype`` (0 or -inf), built once."""
