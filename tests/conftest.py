@@ -89,6 +89,17 @@ def vllm_launcher() -> ModuleType:
     return module
 
 
+@pytest.fixture(scope="session")
+def vllm_venv(vllm_launcher: ModuleType) -> Path:
+    """vLLM's own venv (``$PREFIXFLIGHT_VLLM_VENV``, default ``<repo>/.venv-vllm``), built by
+    benchmarks/vllm/setup.sh when missing; a test that needs it fails, never skips, when it
+    cannot be built."""
+    try:
+        return Path(vllm_launcher.vllm_venv())
+    except vllm_launcher.VLLMError as exc:
+        pytest.fail(f"the vLLM venv is needed and could not be built: {exc}")
+
+
 def source_roots() -> list[Path]:
     """The folders this process imported prefixflight from (the one above each
     ``prefixflight.__path__`` entry: pyproject's hatch ``sources`` in a checkout), in import

