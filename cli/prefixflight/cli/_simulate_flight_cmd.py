@@ -12,7 +12,15 @@ import attrs
 
 from prefixflight.core import ConfigError
 
-from ._args import at_least, output_file, positive_float, ratio, usage_errors
+from ._args import (
+    Option,
+    add_options,
+    at_least,
+    output_file,
+    positive_float,
+    ratio,
+    usage_errors,
+)
 from ._io import write_atomic, write_stdout
 
 if TYPE_CHECKING:  # the simulations are imported by `run`, not at start-up
@@ -25,6 +33,26 @@ SHARES: tuple[float | None, ...] = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, None, 1
 PARTIAL_CASES = ((512, 16), (64, 448), (16, 496))
 """(shared document tokens, own tail tokens) for the partial-prefix experiment."""
 OVERHEAD_BOUND_PREFILL_DIVISOR = 100
+
+
+# fmt: off
+_CALIBRATION: tuple[Option, ...] = (  # (flag, type, default, metavar, help)
+    ("--prefill-seconds", positive_float, None, "S",
+     "time of one full prefill of --prefill-tokens tokens"),
+    ("--prefill-tokens", at_least(1), None, "N", "length of that prefill"),
+    ("--decode-batch1", positive_float, None, "S", "a decode step at batch 1"),
+    ("--decode-batch8", positive_float, None, "S", "a decode step at batch 8"),
+    ("--overhead-share", ratio, None, "F",
+     "replace the calibrated fixed share of the batch-1 decode step, in [0, 1]"),
+)
+_ENGINE: tuple[Option, ...] = (
+    ("--max-batch-tokens", at_least(1), 2048, "N", "the scheduler's token budget per step"),
+    ("--output-tokens", at_least(1), 128, "N", "tokens every request generates"),
+    ("--late-after-tokens", at_least(1), 16, "N",
+     "late arrival: the second request arrives once the first has produced N tokens "
+     "(< --output-tokens)"),
+)
+# fmt: on
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -44,50 +72,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--json", type=output_file, metavar="FILE", help="also write every row as JSON here"
     )
     cal = p.add_argument_group("cost model calibration (measured times; default: measured)")
-    cal.add_argument(
-        "--prefill-seconds",
-        type=positive_float,
-        metavar="S",
-        help="time of one full prefill of --prefill-tokens tokens",
-    )
-    cal.add_argument(
-        "--prefill-tokens", type=at_least(1), metavar="N", help="length of that prefill"
-    )
-    cal.add_argument(
-        "--decode-batch1", type=positive_float, metavar="S", help="a decode step at batch 1"
-    )
-    cal.add_argument(
-        "--decode-batch8", type=positive_float, metavar="S", help="a decode step at batch 8"
-    )
-    cal.add_argument(
-        "--overhead-share",
-        type=ratio,
-        metavar="F",
-        help="replace the calibrated fixed share of the batch-1 decode step, in [0, 1]",
-    )
+    add_options(cal, _CALIBRATION)
     eng = p.add_argument_group("engine")
-    eng.add_argument(
-        "--max-batch-tokens",
-        type=at_least(1),
-        default=2048,
-        metavar="N",
-        help="the scheduler's token budget per step",
-    )
-    eng.add_argument(
-        "--output-tokens",
-        type=at_least(1),
-        default=128,
-        metavar="N",
-        help="tokens every request generates",
-    )
-    eng.add_argument(
-        "--late-after-tokens",
-        type=at_least(1),
-        default=16,
-        metavar="N",
-        help="late arrival: the second request arrives once the first has produced N tokens "
-        "(< --output-tokens)",
-    )
+    add_options(eng, _ENGINE)
     eng.add_argument(
         "--no-same-step-sharing",
         dest="same_step_sharing",
