@@ -348,7 +348,7 @@ class PagedStep:
         ]
         self._together_rows: list[int] = []
         self._kernel = kernel
-        self._plan = None if kernel is None else kernel.plan(rows, self.write)
+        self._plan = None if kernel is None else kernel.plan(offsets, ends, table, self.write)
         if kernel is not None:  # vLLM's kernel attends every row: nothing to plan here
             return
         together: list[int] = []
@@ -413,8 +413,7 @@ class PagedStep:
         v_pool.index_copy_(1, self.write, value.transpose(0, 1).to(pool.dtype))
         if self._kernel is not None:
             assert self._plan is not None
-            out = self._kernel.attend(self._plan, layer, query, key, value, scale)
-            return out if out.dtype == query.dtype else out.to(query.dtype)
+            return self._kernel.attend(self._plan, layer, query, key, value, scale).to(query.dtype)
         together = self._together
         lones = self._lone
         if together is not None and self._per_row(together, query):

@@ -146,25 +146,25 @@ class VllmCpuAttention:
             values = v_pool.index_select(1, slots).transpose(0, 1)
             self._store(keys, values, k_cache, v_cache, slots)
 
-    def plan(self, rows: Sequence[tuple[int, int, Sequence[int]]], slots: torch.Tensor) -> _Plan:
-        """The kernel's metadata for one step's ``(start, new tokens, pages)`` rows, whose
-        new tokens go to ``slots`` (row after row)."""
-        ps = self.pool.page_size
-        starts = [0]
-        for _, n, _ in rows:
-            starts.append(starts[-1] + n)
-        lengths = [start + n for start, n, _ in rows]
-        need = [-(-e // ps) for e in lengths]
-        width = max(need)
-        table = torch.zeros((len(rows), width), dtype=torch.int32)
-        for i, ((_, _, pages), k) in enumerate(zip(rows, need, strict=True)):
-            table[i, :k] = torch.tensor(pages[:k], dtype=torch.int32)
-        query_start = torch.tensor(starts, dtype=torch.int32)
-        seq_lens = torch.tensor(lengths, dtype=torch.int32)
+    def plan(
+        self,
+        offsets: Sequence[int],
+        ends: Sequence[int],
+        tables: Sequence[Sequence[int]],
+        slots: torch.Tensor,
+    ) -> _Plan:
+        """The kernel's metadata for one step (as `PagedStep` lays it out): each row's first
+        token among the step's (``offsets``, one more at the end), the position after its
+        last (``ends``), the pages that cover it (``tables``); the new tokens go to ``slots``."""
+        width = max(map(len, tables))
+        padded = [[*t, *[0] * (width - len(t))] for t in tables]
+        query_start = torch.tensor(offsets, dtype=torch.int32)
+        seq_lens = torch.tensor(ends, dtype=torch.int32)
         metadata = torch.ops._C.get_scheduler_metadata(
-            len(rows), self.num_heads, self.pool.num_kv_heads, self.pool.head_dim, seq_lens,
+            len(tables), self.num_heads, self.pool.num_kv_heads, self.pool.head_dim, seq_lens,
             self.dtype, query_start, True, -1, self.isa, False, None, "auto",
         )  # fmt: skip
+        table = torch.tensor(padded, dtype=torch.int32)
         return _Plan(query_start, seq_lens, table, slots, metadata)
 
     def attend(
