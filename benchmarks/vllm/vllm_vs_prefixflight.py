@@ -653,20 +653,22 @@ def markdown_table(med: dict[str, dict[str, dict[str, float]]]) -> str:
         if "prefixflight" not in by or "vllm" not in by or key not in by["vllm"]:
             continue
         theirs = by["vllm"][key]
-
-        def cell(v: float | None, unit: str = unit) -> str:
-            return "-" if v is None else f"{v:.3f} {unit}" if unit else f"{v:.0f}"
-
-        def ratio(v: float | None, theirs: float = theirs) -> str:
-            return f"{v / theirs:.2f}x" if v is not None and theirs else "-"
-
         ours = by["prefixflight"].get(key)
-        cells = [label, cell(ours), cell(theirs), ratio(ours)]
+        cells = [label, _cell(ours, unit), _cell(theirs, unit), _ratio(ours, theirs)]
         if kernel:
             with_kernel = by.get(KERNEL, {}).get(key)
-            cells += [cell(with_kernel), ratio(with_kernel)]
+            cells += [_cell(with_kernel, unit), _ratio(with_kernel, theirs)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _cell(value: float | None, unit: str) -> str:
+    """A measure for the table: seconds to 3 places with their unit, counts whole."""
+    return "-" if value is None else f"{value:.3f} {unit}" if unit else f"{value:.0f}"
+
+
+def _ratio(value: float | None, theirs: float) -> str:
+    return f"{value / theirs:.2f}x" if value is not None and theirs else "-"
 
 
 def _cpu_name() -> str:
