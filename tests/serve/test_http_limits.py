@@ -1,10 +1,13 @@
 """The limits in front of the routes: body size (413), a body that stops arriving (408),
-connections that never send a whole request (closed), a stream nobody reads (aborted), and
-text work that never blocks the event loop. Real sockets against a real uvicorn server.
+connections that never send a whole request (closed), a stream nobody reads (aborted), a
+client that leaves just as a chunk goes out (aborted), and text work that never blocks the
+event loop. Real sockets against a real uvicorn server, except where a race needs an exact
+order of events: there the ASGI server is a few lines of the test.
 """
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
@@ -128,6 +131,38 @@ def test_a_stream_nobody_reads_is_aborted(start_server: Any) -> None:
             "the unread stream's choices to be aborted",
         )
     until(lambda: page_state(quick) == (0, 0, False), "its pages to be free")
+
+
+def test_a_client_that_leaves_as_a_chunk_goes_out_still_closes_the_stream() -> None:
+    """The disconnect is seen while the send of a chunk completes: the stream must stop and
+    close its source (which aborts the request), not wait for the next token."""
+    from prefixflight.serve._routes import EventStream
+
+    closed = asyncio.Event()
+    left = asyncio.Event()
+
+    async def source() -> Any:
+        try:
+            yield b"data: 1\n\n"
+            await asyncio.Event().wait()  # the next token, which the held engine never makes
+        finally:
+            closed.set()  # aclose: the server aborts the request here
+
+    async def receive() -> dict[str, Any]:
+        await left.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        if message.get("body"):
+            left.set()  # the client goes away as this chunk is written
+            await asyncio.sleep(0)  # the write completes one turn of the loop later
+
+    async def serve() -> None:
+        stream = EventStream(source(), write_timeout=WAIT)
+        await asyncio.wait_for(stream({"type": "http"}, receive, send), WAIT)
+
+    asyncio.run(serve())
+    assert closed.is_set()
 
 
 class SlowCodec(CharCodec):

@@ -57,15 +57,23 @@ class Backend:
         self.server.start()
         self.url = self.server.base_url
 
+    def _counter(self, name: str, **labels: str) -> float:
+        """The sum of this backend's ``name`` samples whose labels include ``labels``."""
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        return sum(
+            s.value
+            for family in prometheus_parser.text_string_to_metric_families(text)
+            for s in family.samples
+            if s.name == name and labels.items() <= s.labels.items()
+        )
+
     def requests_served(self) -> float:
         """Prompt tokens this backend has seen (its own vllm:prompt_tokens counter)."""
-        text = httpx.get(self.url + "/metrics", timeout=10).text
-        total = 0.0
-        for family in prometheus_parser.text_string_to_metric_families(text):
-            for s in family.samples:
-                if s.name == "vllm:prompt_tokens_total":
-                    total += s.value
-        return total
+        return self._counter("vllm:prompt_tokens_total")
+
+    def aborted(self) -> float:
+        """Requests this backend has aborted (its vllm:request_success_total for "abort")."""
+        return self._counter("vllm:request_success_total", finished_reason="abort")
 
     def unfinished(self) -> bool:
         async def read() -> bool:
@@ -245,7 +253,7 @@ def test_a_backends_error_passes_through(start_router: Callable[..., ServerThrea
 
 
 def test_a_client_that_leaves_mid_stream_aborts_the_request_upstream(
-    start_router: Callable[..., ServerThread], backends: list[Backend]
+    start_router: Callable[..., ServerThread], backends: list[Backend], step_gate: Any
 ) -> None:
     router = start_router(policy="round_robin")
     body = {
@@ -255,11 +263,17 @@ def test_a_client_that_leaves_mid_stream_aborts_the_request_upstream(
         "ignore_eos": True,
         "stream": True,
     }
+    before = sum(b.aborted() for b in backends)
+    step_gate.hold_after(3)  # the request runs until the test lets it go on, whatever the speed
     with httpx.stream("POST", router.base_url + "/v1/completions", json=body, timeout=30) as r:
         assert r.status_code == 200
-        first = next(r.iter_raw())  # the first chunk arrived: the request runs on a backend
+        chunks = r.iter_raw()  # held: dropping a half-read iterator closes the connection
+        first = next(chunks)  # the first chunk arrived: the request runs on a backend
         assert any(b.unfinished() for b in backends), first
-    until(lambda: not any(b.unfinished() for b in backends), "the backend to abort it")
+    # the client is gone: the router drops its upstream stream and the backend aborts
+    until(lambda: sum(b.aborted() for b in backends) == before + 1, "the backend to abort it")
+    step_gate.release()
+    until(lambda: not any(b.unfinished() for b in backends), "the backend to finish the step")
     until(lambda: router_state(router).total_in_flight == 0, "the router's count")
 
 

@@ -337,10 +337,16 @@ class EventStream(StreamingResponse):
             while (await receive())["type"] != "http.disconnect":
                 pass
 
-        timeout = self._write_timeout
+        loop = asyncio.get_running_loop()
 
         async def send_or_give_up(message: Message) -> None:
-            await asyncio.wait_for(send(message), timeout)  # a reader that stalled: stop
+            # a reader that stalled: stop. (Not asyncio.wait_for: up to Python 3.11 it drops
+            # a cancellation that lands as the send completes, and the stream would go on.)
+            stalled = loop.call_later(self._write_timeout, streaming.cancel)
+            try:
+                await send(message)
+            finally:
+                stalled.cancel()
 
         streaming = asyncio.ensure_future(self.stream_response(send_or_give_up))
         watching = asyncio.ensure_future(disconnected())

@@ -673,11 +673,15 @@ class AsyncEngine:
                 plan = sched.schedule(self._clock())
                 if plan.is_empty:
                     wake.clear()
-                    if sched.has_unfinished:  # e.g. followers waiting out max_wait
-                        with contextlib.suppress(asyncio.TimeoutError):
-                            await asyncio.wait_for(wake.wait(), timeout=0.005)
-                    else:
+                    # requests but nothing to run (e.g. followers waiting out max_wait): look
+                    # again soon. (A timer, not asyncio.wait_for: up to Python 3.11 that drops
+                    # a cancellation landing as the wait ends, and `close` would hang.)
+                    soon = loop.call_later(0.005, wake.set) if sched.has_unfinished else None
+                    try:
                         await wake.wait()
+                    finally:
+                        if soon is not None:
+                            soon.cancel()
                     continue
                 future = loop.run_in_executor(self._executor, self.runner.execute, plan)
                 try:
