@@ -96,7 +96,7 @@ VALIDATE_SURFACE = frozenset({
     "check_choice", "check_instance", "check_int", "check_name", "check_number", "check_ratio",
     "check_request_id", "check_time", "check_token_ids", "choice_field", "instance_field",
     "int_field", "is_int", "is_real", "number_field", "optional_int_field", "ratio_field",
-    "request_id_field", "time_field",
+    "renamed", "renamed_attribute", "request_id_field", "time_field", "deprecated_alias",
 })  # fmt: skip
 
 # what users of the KV-event wire call: publisher, subscriber and its index, topics, and the

@@ -129,7 +129,7 @@ def attention_call(
         num_kv_heads=kv_heads,
         head_dim=64,
         num_pages=pages + 1,
-        page_size=ps,
+        block_size=ps,
         dtype=dtype,
         device="cpu",
     )
@@ -174,7 +174,7 @@ def decode_rows(
         num_kv_heads=kv_heads,
         head_dim=64,
         num_pages=rows * per + 1,
-        page_size=ps,
+        block_size=ps,
         dtype=dtype,
         device="cpu",
     )
@@ -240,7 +240,7 @@ def prefill(model: Any, case: tuple[int, int], dtype: torch.dtype, rounds: int) 
     ps = 16
     pages = -(-(new + cached) // ps)
     runner = TransformersRunner.for_model(
-        model, num_pages=pages + 1, page_size=ps, device="cpu", dtype=dtype
+        model, num_pages=pages + 1, block_size=ps, device="cpu", dtype=dtype
     )
     table = tuple(range(1, pages + 1))
     rng = random.Random(1)

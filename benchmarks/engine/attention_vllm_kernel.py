@@ -64,7 +64,7 @@ class Case:
         self.v = torch.randn(tokens, KV_HEADS, DIM, dtype=dt)
         self.pool = PagedKVPool(
             num_layers=1, num_kv_heads=KV_HEADS, head_dim=DIM, num_pages=pages,
-            page_size=PAGE, device="cpu", dtype=dt,
+            block_size=PAGE, device="cpu", dtype=dt,
         )  # fmt: skip
         k_pool, v_pool = self.pool.layer_views(0)
         k_pool.normal_()

@@ -68,7 +68,7 @@ def main() -> None:
     shared = args.prompt // PAGE
     own = -(-(args.rounds * 2 * args.steps + 2 + args.prompt % PAGE) // PAGE) + 1
     runner = TransformersRunner.for_model(
-        model, num_pages=1 + shared + ROWS * own, page_size=PAGE, device="cpu", dtype=dtype
+        model, num_pages=1 + shared + ROWS * own, block_size=PAGE, device="cpu", dtype=dtype
     )
     prompt = tuple(range(10, 10 + args.prompt))
     prefix = tuple(range(1, 1 + shared))

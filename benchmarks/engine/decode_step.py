@@ -51,7 +51,7 @@ def main() -> None:
     model = load_smollm2(device="cpu").model
     per = -(-(ctx + steps) // PAGE_SIZE)
     paged = TransformersRunner.for_model(
-        model, num_pages=top * per, page_size=PAGE_SIZE, device="cpu", deduplicate=False
+        model, num_pages=top * per, block_size=PAGE_SIZE, device="cpu", deduplicate=False
     )
     reuse = TransformersRunner(model, paged.pool, deduplicate=False, attention="gather")
     gather = TransformersRunner(

@@ -253,7 +253,7 @@ def main() -> None:
     prompts = build_prompts(tok, args)
     lengths = {w: sorted({len(p) for p in ps}) for w, ps in prompts.items()}
     runner = TransformersRunner.for_model(
-        ours_model.model, num_pages=1024, page_size=PAGE_SIZE, device="cpu", dtype=args.dtype
+        ours_model.model, num_pages=1024, block_size=PAGE_SIZE, device="cpu", dtype=args.dtype
     )
     counter = [0]
 

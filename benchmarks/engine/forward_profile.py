@@ -106,7 +106,7 @@ def main() -> None:
         elif variant == "gather":
             kw.update(attention="gather", reuse_decode=False)
         runner = TransformersRunner.for_model(
-            model, num_pages=own.stop, page_size=ps, device="cpu", dtype=args.dtype, **kw
+            model, num_pages=own.stop, block_size=ps, device="cpu", dtype=args.dtype, **kw
         )
         step = iter(range(10**9))
 

@@ -84,7 +84,7 @@ def main() -> None:
     total = args.prefix + args.suffix
     per = -(-total // PAGE_SIZE)
     paged = TransformersRunner.for_model(
-        model, num_pages=per + 64, page_size=PAGE_SIZE, device=dev, deduplicate=False
+        model, num_pages=per + 64, block_size=PAGE_SIZE, device=dev, deduplicate=False
     )
     gather = TransformersRunner(model, paged.pool, deduplicate=False, attention="gather")
     pages = tuple(range(per))
@@ -153,7 +153,7 @@ def main() -> None:
     lengths = [args.context - (args.context // 2) * i // (top - 1) for i in range(top)]
     dper = -(-(args.context + args.steps) // PAGE_SIZE)
     dpaged = TransformersRunner.for_model(
-        model, num_pages=top * dper, page_size=PAGE_SIZE, device=dev, deduplicate=False
+        model, num_pages=top * dper, block_size=PAGE_SIZE, device=dev, deduplicate=False
     )
     dgather = TransformersRunner(model, dpaged.pool, deduplicate=False, attention="gather")
     prompts = [rand(n) for n in lengths]
@@ -280,7 +280,7 @@ def _pool_like(runner: TransformersRunner, num_pages: int) -> Any:
         num_kv_heads=p.num_kv_heads,
         head_dim=p.head_dim,
         num_pages=num_pages,
-        page_size=p.page_size,
+        block_size=p.block_size,
         device=p.device,
         dtype=p.dtype,
     )

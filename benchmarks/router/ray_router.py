@@ -314,7 +314,7 @@ def simulated(
     )
 
     def burst() -> BurstAffinityRouter:
-        config = BurstConfig(window_ms=args.window_ms, block_size_tokens=args.route_block)
+        config = BurstConfig(window_ms=args.window_ms, block_size=args.route_block)
         loads = [ReplicaLoad(name=n) for n in cluster.replica_names]
         approx = ApproxPrefixConfig(max_prefix_blocks_to_match=256)
         return BurstAffinityRouter(

@@ -29,12 +29,12 @@ def test_benchmark_pipeline_on_a_tiny_model(tiny_model: Any, tiny_tokenizer: Any
         flight_prompt_tokens=53,
         flight_concurrency=(3,),
         late_prompt_tokens=37,
-        page_size=4,
+        block_size=4,
         max_batch_tokens=64,
         max_running=8,
     )
     runner = TransformersRunner.for_model(
-        tiny_model, num_pages=config.num_pages, page_size=4, device="cpu"
+        tiny_model, num_pages=config.num_pages, block_size=4, device="cpu"
     )
     tok = tiny_tokenizer
     bench.warm_up(runner, tok, config)

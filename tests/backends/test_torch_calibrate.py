@@ -27,10 +27,10 @@ def test_calibration_report_on_a_tiny_model(tiny_model: Any, tiny_tokenizer: Any
         reused=16,
         suffix=5,
         repetitions=3,
-        page_size=4,
+        block_size=4,
     )
     runner = TransformersRunner.for_model(
-        tiny_model, num_pages=cal.num_pages(config), page_size=4, device="cpu", deduplicate=False
+        tiny_model, num_pages=cal.num_pages(config), block_size=4, device="cpu", deduplicate=False
     )
     seen: list[int] = []
 
@@ -86,9 +86,9 @@ def test_a_too_small_pool_is_rejected(tiny_model: Any, tiny_tokenizer: Any) -> N
         reused=8,
         suffix=2,
         repetitions=1,
-        page_size=4,
+        block_size=4,
     )
-    runner = TransformersRunner.for_model(tiny_model, num_pages=4, page_size=4, device="cpu")
+    runner = TransformersRunner.for_model(tiny_model, num_pages=4, block_size=4, device="cpu")
     with pytest.raises(ConfigError, match="pages"):
         cal.calibrate(runner, tiny_tokenizer, config)
 

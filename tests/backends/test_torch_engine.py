@@ -218,7 +218,7 @@ def test_text_prompts_use_the_tokenizer(tiny_model: Any) -> None:
 
     async def main() -> list[int]:
         cfg = EngineConfig(num_pages=64, block_size=PAGE, max_batch_tokens=64, max_running=4)
-        runner = TransformersRunner.for_model(tiny_model, num_pages=64, page_size=PAGE)
+        runner = TransformersRunner.for_model(tiny_model, num_pages=64, block_size=PAGE)
         async with AsyncEngine(runner, cfg, tokenizer=tokenizer) as engine:
             return await collect(engine.generate("hi there", SamplingParams(max_tokens=3)))
 
@@ -241,7 +241,7 @@ def test_engine_config_errors_name_the_value(kwargs: dict[str, Any], message: st
 
 
 def test_engine_config_must_fit_the_pool(tiny_model: Any) -> None:
-    runner = TransformersRunner.for_model(tiny_model, num_pages=8, page_size=PAGE)
+    runner = TransformersRunner.for_model(tiny_model, num_pages=8, block_size=PAGE)
     with pytest.raises(ConfigError, match="block_size 16"):
         AsyncEngine(runner, EngineConfig(num_pages=8, block_size=16))
     with pytest.raises(ConfigError, match="num_pages 9"):
@@ -253,7 +253,7 @@ def test_engine_config_page_size_is_a_deprecated_name_of_block_size() -> None:
         old = EngineConfig(num_pages=8, page_size=PAGE)  # type: ignore[call-arg]  # hidden from type checkers
     assert old == EngineConfig(num_pages=8, block_size=PAGE)
     with pytest.warns(DeprecationWarning, match="page_size is now block_size"):
-        assert old.page_size == PAGE
+        assert old.page_size == PAGE  # type: ignore[attr-defined]
     with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match="page_size"):
         EngineConfig(page_size=8, block_size=PAGE)  # type: ignore[call-arg]
 

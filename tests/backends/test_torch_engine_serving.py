@@ -73,7 +73,7 @@ def test_generation_stops_at_the_tokenizer_eos_unless_ignored(tiny_model: Any) -
 
 
 def test_engine_rejects_an_eos_outside_the_vocabulary(tiny_model: Any) -> None:
-    runner = TransformersRunner.for_model(tiny_model, num_pages=16, page_size=PAGE)
+    runner = TransformersRunner.for_model(tiny_model, num_pages=16, block_size=PAGE)
     with pytest.raises(ConfigError, match="eos token id 512 "):
         AsyncEngine(runner, EngineConfig(num_pages=16, block_size=PAGE), eos_token_ids=[512])
     with pytest.raises(ConfigError, match="ignore_eos must be a bool, got 'no'"):

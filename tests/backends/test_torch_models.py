@@ -51,7 +51,7 @@ def test_smollm2_reuse_equals_full_prefill_and_greedy_matches(smollm2: Any) -> N
     ids = getattr(ids, "input_ids", ids)  # newer tokenizers return a BatchEncoding
     prompt = tuple(int(t) for t in ids)[:300]
     assert len(prompt) == 300
-    runner = TransformersRunner.for_model(model, num_pages=64, page_size=16, device="cpu")
+    runner = TransformersRunner.for_model(model, num_pages=64, block_size=16, device="cpu")
     pages_a = tuple(range(19))
     runner.execute(
         StepPlan(

@@ -37,7 +37,7 @@ def runners(
     model: Any,
     *,
     num_pages: int,
-    page_size: int,
+    block_size: int,
     long_chunk: int = 64,
     device: str = "cpu",
     fused: bool = True,
@@ -49,7 +49,7 @@ def runners(
         TransformersRunner.for_model(
             model,
             num_pages=num_pages,
-            page_size=page_size,
+            block_size=block_size,
             device=device,
             dtype="float32",
             long_chunk=long_chunk,
@@ -67,7 +67,7 @@ def run_mixed(
     model: Any,
     prompts: list[tuple[int, ...]],
     *,
-    page_size: int,
+    block_size: int,
     long_chunk: int,
     new_tokens: int,
     rng: random.Random,
@@ -87,12 +87,12 @@ def run_mixed(
     context lengths, chunk sizes and cached prefixes share passes). Asserts equality at
     every step.
     """
-    ps = page_size
+    ps = block_size
     per = -(-(max(map(len, prompts)) + new_tokens) // ps)
     paged, gather = runners(
         model,
         num_pages=per * len(prompts) + 1,
-        page_size=ps,
+        block_size=ps,
         long_chunk=long_chunk,
         device=device,
         fused=fused,
@@ -177,7 +177,7 @@ prompt_st = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=40).map(tup
 @given(
     shared=st.lists(st.integers(0, VOCAB - 1), min_size=0, max_size=40).map(tuple),
     tails=st.lists(prompt_st, min_size=1, max_size=4),
-    page_size=st.integers(1, 8),
+    block_size=st.integers(1, 8),
     long_chunk=st.integers(1, 24),
     new_tokens=st.integers(1, 5),
     seed=st.integers(0, 2**16),
@@ -187,7 +187,7 @@ def test_paged_equals_gather_on_mixed_steps(
     tiny_model: Any,
     shared: tuple[int, ...],
     tails: list[tuple[int, ...]],
-    page_size: int,
+    block_size: int,
     long_chunk: int,
     new_tokens: int,
     seed: int,
@@ -197,7 +197,7 @@ def test_paged_equals_gather_on_mixed_steps(
     out = run_mixed(
         tiny_model,
         prompts,
-        page_size=page_size,
+        block_size=block_size,
         long_chunk=long_chunk,
         new_tokens=new_tokens,
         rng=random.Random(seed),
@@ -214,7 +214,7 @@ def test_paged_equals_gather_on_mixed_steps(
         max_size=4,
     ),
     tails=st.lists(st.lists(prompt_st, min_size=1, max_size=3), min_size=4, max_size=4),
-    page_size=st.integers(1, 8),
+    block_size=st.integers(1, 8),
     new_tokens=st.integers(1, 5),
     seed=st.integers(0, 2**16),
 )
@@ -222,7 +222,7 @@ def test_groups_of_rows_over_their_own_shared_pages_equal_gather(
     tiny_model: Any,
     prefixes: list[tuple[int, ...]],
     tails: list[list[tuple[int, ...]]],
-    page_size: int,
+    block_size: int,
     new_tokens: int,
     seed: int,
 ) -> None:
@@ -234,7 +234,7 @@ def test_groups_of_rows_over_their_own_shared_pages_equal_gather(
     out = run_mixed(
         tiny_model,
         leaders + rest,
-        page_size=page_size,
+        block_size=block_size,
         long_chunk=64,
         new_tokens=new_tokens,
         rng=random.Random(seed),
@@ -267,7 +267,7 @@ def test_plain_forward_on_a_paged_model_is_plain_sdpa(tiny_factory: Any) -> None
 
 def test_paged_writes_the_same_kv_as_gather(tiny_model: Any) -> None:
     """The pages hold the same keys and values after a prefill and a decode on both paths."""
-    paged, gather = runners(tiny_model, num_pages=8, page_size=4)
+    paged, gather = runners(tiny_model, num_pages=8, block_size=4)
     prompt = tuple(range(3, 16))
     pages = (5, 2, 7, 0)
     for r in (paged, gather):
@@ -310,7 +310,7 @@ def test_smollm2_paged_equals_gather(smollm2: Any) -> None:
     out = run_mixed(
         smollm2.model,
         prompts,
-        page_size=16,
+        block_size=16,
         long_chunk=64,
         new_tokens=6,
         rng=random.Random(0),
@@ -323,11 +323,11 @@ def test_smollm2_paged_equals_gather(smollm2: Any) -> None:
 @settings(max_examples=10, deadline=None)
 @given(
     tails=st.lists(prompt_st, min_size=1, max_size=4),
-    page_size=st.integers(1, 8),
+    block_size=st.integers(1, 8),
     seed=st.integers(0, 2**16),
 )
 def test_paged_equals_gather_on_cuda(
-    tiny_model: Any, tails: list[tuple[int, ...]], page_size: int, seed: int
+    tiny_model: Any, tails: list[tuple[int, ...]], block_size: int, seed: int
 ) -> None:
     shared = tuple(range(1, 30))
     model = tiny_model.to("cuda", torch.float32)
@@ -335,7 +335,7 @@ def test_paged_equals_gather_on_cuda(
         run_mixed(
             model,
             [shared + t for t in tails],
-            page_size=page_size,
+            block_size=block_size,
             long_chunk=8,
             new_tokens=3,
             rng=random.Random(seed),
@@ -346,11 +346,11 @@ def test_paged_equals_gather_on_cuda(
 
 
 def teacher_forced_logits(
-    runner: TransformersRunner, prompts: list[tuple[int, ...]], forced: list[int], page_size: int
+    runner: TransformersRunner, prompts: list[tuple[int, ...]], forced: list[int], block_size: int
 ) -> list[Any]:
     """Every sampled row's logits over: request 0 prefilled alone, the others reusing its
     first page and prefilled together, then decode steps of all of them fed ``forced``."""
-    per = -(-(max(map(len, prompts)) + len(forced)) // page_size)
+    per = -(-(max(map(len, prompts)) + len(forced)) // block_size)
     tables = [tuple(range(1 + i * per, 1 + (i + 1) * per)) for i in range(len(prompts))]
     tables = [tables[0]] + [tables[0][:1] + t[1:] for t in tables[1:]]
     out: list[Any] = []
@@ -370,7 +370,7 @@ def teacher_forced_logits(
     step(0, [prefill(0, 0)], [])
     step(
         1,
-        [prefill(i, page_size) for i in range(1, len(prompts))],
+        [prefill(i, block_size) for i in range(1, len(prompts))],
         [decode(0, forced[0], len(prompts[0]))],
     )
     for k, tok in enumerate(forced[1:], start=1):
@@ -392,7 +392,7 @@ def test_paged_logits_within_tolerance_per_dtype(tiny_factory: Any, dtype: str) 
         got = []
         for attention in ("paged", "gather"):
             runner = TransformersRunner.for_model(
-                model, num_pages=64, page_size=4, device="cpu", dtype=dtype, attention=attention
+                model, num_pages=64, block_size=4, device="cpu", dtype=dtype, attention=attention
             )
             assert runner.fused == (attention == "paged")
             got.append(teacher_forced_logits(runner, prompts, [7, 300, 12, 5], 4))
@@ -417,7 +417,7 @@ def test_smollm2_bf16_paged_close_to_gather(smollm2: Any) -> None:
     got = []
     for attention in ("paged", "gather"):
         runner = TransformersRunner.for_model(
-            model, num_pages=64, page_size=16, device="cpu", attention=attention
+            model, num_pages=64, block_size=16, device="cpu", attention=attention
         )
         got.append(teacher_forced_logits(runner, prompts, [330, 2342, 28, 3], 16))
     same = 0
@@ -475,7 +475,7 @@ def test_unsupported_architecture_runs_its_own_modules(tiny_factory: Any) -> Non
     torch.manual_seed(0)
     model: Any = transformers.MistralForCausalLM(config)
     model.eval()
-    paged, gather = runners(model, num_pages=64, page_size=4, fused=False)
+    paged, gather = runners(model, num_pages=64, block_size=4, fused=False)
     assert not TransformersRunner.for_model(model, num_pages=4, device="cpu").fused
     prompts = [tuple(range(3, 20)), (*range(3, 11), 40, 41)]
     a = teacher_forced_logits(paged, prompts, [9, 8, 7], 4)
@@ -499,19 +499,19 @@ def reference_attention(query: Any, keys: Any, values: Any, start: int, scale: f
 
 
 def lone_row(
-    dtype: Any, heads: int, kv_heads: int, n: int, cached: int, page_size: int, seed: int
+    dtype: Any, heads: int, kv_heads: int, n: int, cached: int, block_size: int, seed: int
 ) -> tuple[Any, list[int], Any, Any, Any]:
     """A pool whose first ``cached`` positions hold random keys and values under a shuffled
     page table, and a new chunk's ``n`` queries, keys and values."""
     from prefixflight.backends.torch import PagedKVPool
 
-    pages = -(-(cached + n) // page_size)
+    pages = -(-(cached + n) // block_size)
     pool = PagedKVPool(
         num_layers=1,
         num_kv_heads=kv_heads,
         head_dim=16,
         num_pages=pages + 2,
-        page_size=page_size,
+        block_size=block_size,
         device="cpu",
         dtype=dtype,
     )
@@ -532,11 +532,11 @@ def lone_row(
     shape=st.sampled_from([(4, 2), (14, 2), (9, 3), (4, 4)]),
     n=st.integers(2, 90),
     cached=st.integers(0, 70),
-    page_size=st.integers(1, 8),
+    block_size=st.integers(1, 8),
     seed=st.integers(0, 2**16),
 )
 def test_lone_row_kernel_matches_products_and_reference(
-    dtype: str, shape: tuple[int, int], n: int, cached: int, page_size: int, seed: int
+    dtype: str, shape: tuple[int, int], n: int, cached: int, block_size: int, seed: int
 ) -> None:
     """A lone row, with and without a cached prefix on scattered pages: the fused kernel
     (causal, or prefix + causal merged by log-sum-exp) and the blocked products both match
@@ -545,7 +545,7 @@ def test_lone_row_kernel_matches_products_and_reference(
 
     dt = getattr(torch, dtype)
     heads, kv_heads = shape
-    pool, table, q, k, v = lone_row(dt, heads, kv_heads, n, cached, page_size, seed)
+    pool, table, q, k, v = lone_row(dt, heads, kv_heads, n, cached, block_size, seed)
     calls = 0
     real = _paged._FLASH
 
@@ -569,7 +569,7 @@ def test_lone_row_kernel_matches_products_and_reference(
             assert calls - before == (0 if least is None else 1 if not cached else 2)
             # the new keys and values are in the pool, where the reference reads them
             keys, values = (
-                _paged._gather(view, torch.tensor(table), page_size)[:, : cached + n]
+                _paged._gather(view, torch.tensor(table), block_size)[:, : cached + n]
                 for view in pool.layer_views(0)
             )
     finally:
@@ -620,7 +620,7 @@ def test_kernel_choice_follows_dtype_and_keys() -> None:
 @given(
     shared=st.lists(st.integers(0, VOCAB - 1), min_size=0, max_size=40).map(tuple),
     tails=st.lists(prompt_st, min_size=2, max_size=4),
-    page_size=st.integers(1, 8),
+    block_size=st.integers(1, 8),
     long_chunk=st.integers(2, 24),
     seed=st.integers(0, 2**16),
 )
@@ -628,7 +628,7 @@ def test_rows_one_by_one_through_the_kernel_equal_gather(
     tiny_model: Any,
     shared: tuple[int, ...],
     tails: list[tuple[int, ...]],
-    page_size: int,
+    block_size: int,
     long_chunk: int,
     seed: int,
 ) -> None:
@@ -652,7 +652,7 @@ def test_rows_one_by_one_through_the_kernel_equal_gather(
         run_mixed(
             tiny_model,
             [shared + t for t in tails],
-            page_size=page_size,
+            block_size=block_size,
             long_chunk=long_chunk,
             new_tokens=3,
             rng=random.Random(seed),
@@ -692,7 +692,7 @@ def test_batched_rows_go_one_by_one_from_per_row_min_keys() -> None:
                 num_kv_heads=2,
                 head_dim=16,
                 num_pages=3 * pages,
-                page_size=16,
+                block_size=16,
                 device="cpu",
                 dtype=dt,
             )

@@ -53,9 +53,9 @@ def greedy_reference(model: Any, prompt: tuple[int, ...], n: int) -> list[int]:
     return out
 
 
-def make_runner(model: Any, *, num_pages: int, page_size: int) -> TransformersRunner:
+def make_runner(model: Any, *, num_pages: int, block_size: int) -> TransformersRunner:
     return TransformersRunner.for_model(
-        model, num_pages=num_pages, page_size=page_size, device="cpu"
+        model, num_pages=num_pages, block_size=block_size, device="cpu"
     )
 
 
@@ -66,17 +66,17 @@ def page_table(rng: random.Random, free: list[int], n: int) -> tuple[int, ...]:
     return tuple(taken)
 
 
-def pages_for(tokens: int, page_size: int) -> int:
-    return -(-tokens // page_size)
+def pages_for(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
 
 
 tokens_st = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=70).map(tuple)
 
 
 @FAST
-@given(prompt=tokens_st, page_size=st.integers(1, 8), data=st.data())
+@given(prompt=tokens_st, block_size=st.integers(1, 8), data=st.data())
 def test_chunked_prefill_equals_full_prefill(
-    tiny_model: Any, prompt: tuple[int, ...], page_size: int, data: st.DataObject
+    tiny_model: Any, prompt: tuple[int, ...], block_size: int, data: st.DataObject
 ) -> None:
     cuts = (
         sorted(data.draw(st.sets(st.integers(1, len(prompt) - 1), max_size=3)))
@@ -84,11 +84,11 @@ def test_chunked_prefill_equals_full_prefill(
         else []
     )
     bounds = [0, *cuts, len(prompt)]
-    runner = make_runner(tiny_model, num_pages=32, page_size=page_size)
+    runner = make_runner(tiny_model, num_pages=32, block_size=block_size)
     pages = page_table(
         random.Random(len(prompt)),
         list(range(runner.pool.num_pages)),
-        pages_for(len(prompt), page_size),
+        pages_for(len(prompt), block_size),
     )
     for step, (a, b) in enumerate(itertools.pairwise(bounds)):
         last = b == len(prompt)
@@ -105,7 +105,7 @@ def test_chunked_prefill_equals_full_prefill(
     shared=st.lists(st.integers(0, VOCAB - 1), min_size=0, max_size=60).map(tuple),
     tail_a=tokens_st,
     tail_b=tokens_st,
-    page_size=st.integers(1, 8),
+    block_size=st.integers(1, 8),
     seed=st.integers(0, 2**16),
 )
 def test_reusing_another_requests_pages_equals_full_prefill(
@@ -113,7 +113,7 @@ def test_reusing_another_requests_pages_equals_full_prefill(
     shared: tuple[int, ...],
     tail_a: tuple[int, ...],
     tail_b: tuple[int, ...],
-    page_size: int,
+    block_size: int,
     seed: int,
 ) -> None:
     """B reuses every full page A computed over their common prefix and prefills the rest."""
@@ -121,11 +121,11 @@ def test_reusing_another_requests_pages_equals_full_prefill(
     common = 0
     while common < min(len(a), len(b)) and a[common] == b[common]:
         common += 1
-    reused_pages = min(common, len(b) - 1) // page_size  # always compute B's last token
+    reused_pages = min(common, len(b) - 1) // block_size  # always compute B's last token
     rng = random.Random(seed)
-    runner = make_runner(tiny_model, num_pages=2 * 130 + 1, page_size=page_size)  # a, b, 1
+    runner = make_runner(tiny_model, num_pages=2 * 130 + 1, block_size=block_size)  # a, b, 1
     free = list(range(runner.pool.num_pages))
-    pages_a = page_table(rng, free, pages_for(len(a), page_size))
+    pages_a = page_table(rng, free, pages_for(len(a), block_size))
     runner.execute(
         StepPlan(
             step=0,
@@ -134,9 +134,9 @@ def test_reusing_another_requests_pages_equals_full_prefill(
             ),
         )
     )
-    start = reused_pages * page_size
+    start = reused_pages * block_size
     pages_b = pages_a[:reused_pages] + page_table(
-        rng, free, pages_for(len(b), page_size) - reused_pages
+        rng, free, pages_for(len(b), block_size) - reused_pages
     )
     work = PrefillWork(request_id="b", token_ids=b[start:], start=start, pages=pages_b, sample=True)
     runner.execute(StepPlan(step=1, prefills=(work,)))
@@ -166,22 +166,26 @@ def test_reusing_another_requests_pages_equals_full_prefill(
 @FAST
 @given(
     prompts=st.lists(tokens_st, min_size=1, max_size=4),
-    page_size=st.integers(1, 8),
+    block_size=st.integers(1, 8),
     steps=st.integers(1, 6),
     data=st.data(),
 )
 def test_batched_greedy_decode_matches_recomputation(
-    tiny_model: Any, prompts: list[tuple[int, ...]], page_size: int, steps: int, data: st.DataObject
+    tiny_model: Any,
+    prompts: list[tuple[int, ...]],
+    block_size: int,
+    steps: int,
+    data: st.DataObject,
 ) -> None:
     """Requests of different lengths decode together (padded batch) and each one's greedy
     tokens and logits equal a from-scratch recomputation of that request alone."""
     rng = random.Random(len(prompts) * 1000 + steps)
-    runner = make_runner(tiny_model, num_pages=200, page_size=page_size)
+    runner = make_runner(tiny_model, num_pages=200, block_size=block_size)
     free = list(range(runner.pool.num_pages))
     tables = {}
     prefills = []
     for i, p in enumerate(prompts):
-        tables[i] = page_table(rng, free, pages_for(len(p) + steps, page_size))
+        tables[i] = page_table(rng, free, pages_for(len(p) + steps, block_size))
         prefills.append(
             PrefillWork(request_id=i, token_ids=p, start=0, pages=tables[i], sample=True)
         )
@@ -212,7 +216,7 @@ def test_mixed_step_prefill_and_decode(tiny_model: Any) -> None:
     """One plan with a prefill (over reused pages) and decodes returns prefills first."""
     g = torch.Generator().manual_seed(3)
     prompt = tuple(torch.randint(0, VOCAB, (40,), generator=g).tolist())
-    runner = make_runner(tiny_model, num_pages=40, page_size=4)
+    runner = make_runner(tiny_model, num_pages=40, block_size=4)
     pages_a = tuple(range(12))
     first = runner.execute(
         StepPlan(
@@ -267,7 +271,7 @@ def test_mixed_step_prefill_and_decode(tiny_model: Any) -> None:
     ],
 )
 def test_bad_plan_is_rejected_and_writes_nothing(tiny_model: Any, work: Any, message: str) -> None:
-    runner = make_runner(tiny_model, num_pages=8, page_size=4)
+    runner = make_runner(tiny_model, num_pages=8, block_size=4)
     ok = PrefillWork(request_id="ok", token_ids=tuple(range(8)), start=0, pages=(2, 3), sample=True)
     runner.execute(StepPlan(step=0, prefills=(ok,)))
     before = [runner.pool.page_tensor(p) for p in range(8)]
@@ -284,7 +288,7 @@ def test_bad_plan_is_rejected_and_writes_nothing(tiny_model: Any, work: Any, mes
 
 
 def test_duplicate_request_in_one_plan_is_rejected(tiny_model: Any) -> None:
-    runner = make_runner(tiny_model, num_pages=8, page_size=4)
+    runner = make_runner(tiny_model, num_pages=8, block_size=4)
     w = PrefillWork(request_id=7, token_ids=(1, 2), start=0, pages=(0,), sample=True)
     d = DecodeWork(request_id=7, token_id=1, position=2, pages=(0,))
     with pytest.raises(UsageError, match="request 7 appears twice"):
@@ -304,7 +308,7 @@ def test_pool_write_and_gather_round_trip() -> None:
         num_kv_heads=3,
         head_dim=4,
         num_pages=5,
-        page_size=4,
+        block_size=4,
         device="cpu",
         dtype="float32",
     )
@@ -340,7 +344,7 @@ def test_default_dtype_is_bf16_where_the_cpu_has_it(tiny_factory: Any) -> None:
     ("kwargs", "message"),
     [
         ({"num_pages": 0}, "num_pages must be >= 1, got 0"),
-        ({"page_size": 0}, "page_size must be >= 1, got 0"),
+        ({"block_size": 0}, "block_size must be >= 1, got 0"),
         ({"device": "tpu"}, "'tpu'"),
         ({"dtype": "int8"}, "'int8'"),
     ],
@@ -368,7 +372,7 @@ def test_reuse_on_cuda_matches_full_prefill(tiny_model: Any) -> None:
     model = tiny_model.to("cuda", torch.float32)
     try:
         runner = TransformersRunner.for_model(
-            model, num_pages=32, page_size=4, device="cuda", dtype="fp32"
+            model, num_pages=32, block_size=4, device="cuda", dtype="fp32"
         )
         prompt = tuple(range(1, 51))
         runner.execute(
@@ -406,28 +410,28 @@ def test_reuse_on_cuda_matches_full_prefill(tiny_model: Any) -> None:
 @FAST
 @given(
     prompts=st.lists(tokens_st, min_size=2, max_size=5),
-    page_size=st.integers(1, 8),
+    block_size=st.integers(1, 8),
     long_chunk=st.sampled_from([1, 8, 64, 10**6]),
     data=st.data(),
 )
 def test_one_plan_of_many_chunks_equals_full_prefills(
     tiny_model: Any,
     prompts: list[tuple[int, ...]],
-    page_size: int,
+    block_size: int,
     long_chunk: int,
     data: st.DataObject,
 ) -> None:
     """Several requests each resume at a random point in one plan: however the runner
     batches them (padded rows, cold rows with no context, long rows alone) every request's
     logits equal its own full prefill."""
-    rng = random.Random(page_size * 7 + len(prompts))
+    rng = random.Random(block_size * 7 + len(prompts))
     runner = TransformersRunner.for_model(
-        tiny_model, num_pages=200, page_size=page_size, device="cpu", long_chunk=long_chunk
+        tiny_model, num_pages=200, block_size=block_size, device="cpu", long_chunk=long_chunk
     )
     free = list(range(runner.pool.num_pages))
     tables, starts = [], []
     for i, p in enumerate(prompts):
-        tables.append(page_table(rng, free, pages_for(len(p), page_size)))
+        tables.append(page_table(rng, free, pages_for(len(p), block_size)))
         start = data.draw(st.integers(0, len(p) - 1), label=f"start {i}")
         starts.append(start)
         if start:
@@ -471,14 +475,14 @@ def test_batches_cover_every_row_once_and_keep_long_chunks_alone(
 @given(
     shared=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=40).map(tuple),
     tails=st.lists(st.sampled_from([(1,), (2, 3), (1, 2, 3), (7,)]), min_size=1, max_size=6),
-    page_size=st.integers(1, 8),
+    block_size=st.integers(1, 8),
     deduplicate=st.booleans(),
 )
 def test_identical_rows_over_shared_pages_are_computed_once(
     tiny_model: Any,
     shared: tuple[int, ...],
     tails: list[tuple[int, ...]],
-    page_size: int,
+    block_size: int,
     deduplicate: bool,
 ) -> None:
     """Requests continuing from the same cached pages with the same tokens (a flight's
@@ -486,11 +490,11 @@ def test_identical_rows_over_shared_pages_are_computed_once(
     decodes exactly as if computed alone."""
     rng = random.Random(len(shared) * 31 + len(tails))
     runner = TransformersRunner.for_model(
-        tiny_model, num_pages=300, page_size=page_size, device="cpu", deduplicate=deduplicate
+        tiny_model, num_pages=300, block_size=block_size, device="cpu", deduplicate=deduplicate
     )
     free = list(range(runner.pool.num_pages))
-    reused = len(shared) // page_size
-    start = reused * page_size
+    reused = len(shared) // block_size
+    start = reused * block_size
     cached = page_table(rng, free, max(reused, 1))[:reused]
     if start:
         work = PrefillWork(
@@ -506,7 +510,7 @@ def test_identical_rows_over_shared_pages_are_computed_once(
         prompt = shared + tail
         prompts.append(prompt)
         tables.append(
-            cached + page_table(rng, free, pages_for(len(prompt) + 1, page_size) - reused)
+            cached + page_table(rng, free, pages_for(len(prompt) + 1, block_size) - reused)
         )
         works.append(
             PrefillWork(
@@ -538,11 +542,11 @@ def test_identical_rows_over_shared_pages_are_computed_once(
 @given(
     length=st.integers(1, 20),
     count=st.integers(1, 4),
-    page_size=st.integers(1, 8),
+    block_size=st.integers(1, 8),
     data=st.data(),
 )
 def test_decode_reuse_equals_gathering_every_step(
-    tiny_model: Any, length: int, count: int, page_size: int, data: st.DataObject
+    tiny_model: Any, length: int, count: int, block_size: int, data: st.DataObject
 ) -> None:
     """Reusing a decode pass's cache gives exactly the reference path's logits and tokens.
 
@@ -556,7 +560,7 @@ def test_decode_reuse_equals_gathering_every_step(
         TransformersRunner.for_model(
             tiny_model,
             num_pages=160,
-            page_size=page_size,
+            block_size=block_size,
             device="cpu",
             reuse_decode=reuse,
             attention="gather",
@@ -565,7 +569,8 @@ def test_decode_reuse_equals_gathering_every_step(
     ]
     steps = 6
     tables = {
-        i: tuple(range(i * 32, i * 32 + pages_for(length + steps + 1, page_size))) for i in range(5)
+        i: tuple(range(i * 32, i * 32 + pages_for(length + steps + 1, block_size)))
+        for i in range(5)
     }
     generated: dict[int, list[int]] = {}
 
@@ -617,7 +622,7 @@ def test_decode_reuse_equals_gathering_every_step(
 def test_decode_reuse_happens_for_a_steady_batch(tiny_model: Any) -> None:
     """Equal-length requests decoding together reuse every pass after the first decode."""
     runner = TransformersRunner.for_model(
-        tiny_model, num_pages=64, page_size=4, device="cpu", attention="gather"
+        tiny_model, num_pages=64, block_size=4, device="cpu", attention="gather"
     )
     prompts = [tuple(range(i, i + 10)) for i in range(3)]
     tables = {i: tuple(range(i * 8, i * 8 + 8)) for i in range(3)}
@@ -669,7 +674,7 @@ def test_decode_reuse_happens_for_a_steady_batch(tiny_model: Any) -> None:
     shared=st.lists(st.integers(0, VOCAB - 1), min_size=4, max_size=40).map(tuple),
     tails=st.lists(st.sampled_from([(), (1,), (2, 3), (1, 2, 3), (7,) * 9]), max_size=8),
     first_chunk=st.integers(0, 40),
-    page_size=st.integers(1, 8),
+    block_size=st.integers(1, 8),
     attention=st.sampled_from(["paged", "gather"]),
     deduplicate=st.booleans(),
 )
@@ -678,7 +683,7 @@ def test_a_row_reads_pages_its_writer_writes_in_the_same_step(
     shared: tuple[int, ...],
     tails: list[tuple[int, ...]],
     first_chunk: int,
-    page_size: int,
+    block_size: int,
     attention: str,
     deduplicate: bool,
 ) -> None:
@@ -691,7 +696,7 @@ def test_a_row_reads_pages_its_writer_writes_in_the_same_step(
     runner = TransformersRunner.for_model(
         tiny_model,
         num_pages=400,
-        page_size=page_size,
+        block_size=block_size,
         device="cpu",
         deduplicate=deduplicate,
         attention=attention,
@@ -699,8 +704,8 @@ def test_a_row_reads_pages_its_writer_writes_in_the_same_step(
     )
     free = list(range(runner.pool.num_pages))
     writer = (*shared, 5)
-    w_pages = page_table(rng, free, pages_for(len(writer), page_size))
-    cut = min(first_chunk, len(writer) - 1) // page_size * page_size
+    w_pages = page_table(rng, free, pages_for(len(writer), block_size))
+    cut = min(first_chunk, len(writer) - 1) // block_size * block_size
     if cut:
         work = PrefillWork(
             request_id="w", token_ids=writer[:cut], start=0, pages=w_pages, sample=False
@@ -714,9 +719,11 @@ def test_a_row_reads_pages_its_writer_writes_in_the_same_step(
         prompt = shared + tail
         if len(prompt) < 2:
             continue
-        reused = min(len(shared), len(prompt) - 1) // page_size  # full blocks "w" writes
-        start = reused * page_size
-        pages = w_pages[:reused] + page_table(rng, free, pages_for(len(prompt), page_size) - reused)
+        reused = min(len(shared), len(prompt) - 1) // block_size  # full blocks "w" writes
+        start = reused * block_size
+        pages = w_pages[:reused] + page_table(
+            rng, free, pages_for(len(prompt), block_size) - reused
+        )
         reads = ("w",) if start > cut else ()
         works.append(
             PrefillWork(
@@ -748,3 +755,19 @@ def test_readers_run_after_their_writers_even_when_shorter() -> None:
     assert all(order[i] > order["w"] for i in range(8))
     alone = {r.request_id: n for n, g in enumerate(_batches([writer, *readers], 64)) for r in g}
     assert min(alone[i] for i in range(8)) < alone["w"], "grouping alone runs a reader first"
+
+
+def test_page_size_is_a_deprecated_name_of_block_size(tiny_factory: Any) -> None:
+    shape: dict[str, Any] = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 2, "num_pages": 2}
+    with pytest.warns(DeprecationWarning, match="PagedKVPool's page_size is now block_size"):
+        pool = PagedKVPool(**shape, page_size=8, device="cpu")
+    assert pool.block_size == 8
+    with pytest.warns(DeprecationWarning, match="page_size is now block_size"):
+        assert pool.page_size == 8
+    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match="block_size=4"):
+        PagedKVPool(**shape, block_size=4, page_size=8)
+    model = tiny_factory("llama", 0)
+    with pytest.warns(DeprecationWarning, match="TransformersRunner's page_size") as seen:
+        runner = TransformersRunner.for_model(model, num_pages=2, page_size=8, device="cpu")
+    assert seen[0].filename == __file__  # the warning points at the caller
+    assert runner.pool.block_size == 8

@@ -73,7 +73,7 @@ def test_followers_sample_their_own_tokens_whatever_the_batch(tiny_model: Any) -
     }
 
     def run(batched: bool) -> dict[RequestId, list[int]]:
-        runner = TransformersRunner.for_model(tiny_model, num_pages=64, page_size=4, device="cpu")
+        runner = TransformersRunner.for_model(tiny_model, num_pages=64, block_size=4, device="cpu")
         for rid, sp in params.items():
             runner.set_sampling(rid, sp)
         shared = tuple(range(10))  # 40 prompt tokens = 10 pages, computed once

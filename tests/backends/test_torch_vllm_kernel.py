@@ -67,7 +67,7 @@ def model32(request: pytest.FixtureRequest) -> Any:
         max_size=3,
     ),
     tails=st.lists(st.lists(prompt_st, min_size=1, max_size=3), min_size=3, max_size=3),
-    page_size=st.sampled_from([16, 32]),
+    block_size=st.sampled_from([16, 32]),
     long_chunk=st.integers(1, 24),
     new_tokens=st.integers(1, 5),
     seed=st.integers(0, 2**16),
@@ -78,7 +78,7 @@ def test_vllm_kernel_equals_gather_on_mixed_steps(
     vllm_library: Path,
     prefixes: list[tuple[int, ...]],
     tails: list[list[tuple[int, ...]]],
-    page_size: int,
+    block_size: int,
     long_chunk: int,
     new_tokens: int,
     seed: int,
@@ -92,7 +92,7 @@ def test_vllm_kernel_equals_gather_on_mixed_steps(
     out = run_mixed(
         model32,
         leaders + rest,
-        page_size=page_size,
+        block_size=block_size,
         long_chunk=long_chunk,
         new_tokens=new_tokens,
         rng=random.Random(seed),
@@ -135,13 +135,13 @@ def test_pages_the_pool_wrote_and_copied_are_read_by_the_kernel(vllm_library: Pa
     prompt = tuple(random.Random(1).randrange(VOCAB) for _ in range(70))
     results = []
     for attention, library in (("paged", None), ("vllm-cpu", vllm_library)):
-        source = TransformersRunner.for_model(model, num_pages=8, page_size=16, dtype="float32")
+        source = TransformersRunner.for_model(model, num_pages=8, block_size=16, dtype="float32")
         logits_after(source, prompt, (0, 1, 2, 3, 4), 0)  # the prompt's KV, computed once
         kv = source.pool.gather(source.pool.slots((0, 1, 2, 3), 0, 64))
         runner = TransformersRunner.for_model(
             model,
             num_pages=12,
-            page_size=16,
+            block_size=16,
             dtype="float32",
             attention=attention,
             vllm_library=library,
@@ -156,7 +156,7 @@ def test_pages_the_pool_wrote_and_copied_are_read_by_the_kernel(vllm_library: Pa
 def test_a_pool_with_kv_already_is_copied_when_the_kernel_attaches(vllm_library: Path) -> None:
     model = heads_of_32("qwen2", 2)
     prompt = tuple(range(3, 53))
-    paged = TransformersRunner.for_model(model, num_pages=6, page_size=16, dtype="float32")
+    paged = TransformersRunner.for_model(model, num_pages=6, block_size=16, dtype="float32")
     before = logits_after(paged, prompt, (3, 1, 4, 0), 0)
     again = TransformersRunner(model, paged.pool, attention="vllm-cpu", vllm_library=vllm_library)
     longer = prompt + tuple(before[:, :].argmax(-1).tolist())  # the 3 decoded tokens and one
@@ -171,7 +171,7 @@ def test_bf16_logits_close_to_the_paged_path(model32: Any, vllm_library: Path) -
             TransformersRunner.for_model(
                 model32,
                 num_pages=10,
-                page_size=16,
+                block_size=16,
                 dtype="bfloat16",
                 attention=attention,
                 vllm_library=library,
@@ -188,12 +188,12 @@ def test_bf16_logits_close_to_the_paged_path(model32: Any, vllm_library: Path) -
 def test_bad_configurations_are_refused(vllm_library: Path, tmp_path: Path) -> None:
     model = heads_of_32("llama")
     with pytest.raises(ConfigError, match="needs vllm_library"):
-        TransformersRunner.for_model(model, num_pages=4, page_size=16, attention="vllm-cpu")
+        TransformersRunner.for_model(model, num_pages=4, block_size=16, attention="vllm-cpu")
     with pytest.raises(ConfigError, match="only it takes one"):
-        TransformersRunner.for_model(model, num_pages=4, page_size=16, vllm_library=vllm_library)
+        TransformersRunner.for_model(model, num_pages=4, block_size=16, vllm_library=vllm_library)
     with pytest.raises(ConfigError, match="multiple of 16 tokens, not 8"):
         TransformersRunner.for_model(
-            model, num_pages=4, page_size=8, attention="vllm-cpu", vllm_library=vllm_library
+            model, num_pages=4, block_size=8, attention="vllm-cpu", vllm_library=vllm_library
         )
     with pytest.raises(ConfigError, match="not 16"):  # the default tiny model's heads
         VllmCpuAttention(

@@ -88,7 +88,7 @@ def _demo_report() -> dict[str, object]:
     ]  # fmt: skip
     return {
         "model": "SmolLM2-135M-Instruct", "device": "cpu", "dtype": "float32", "threads": 2,
-        "repetitions": 1, "page_size": 16, "output_tokens": 32,
+        "repetitions": 1, "block_size": 16, "output_tokens": 32,
         "warm_prefix": {"prompt_tokens": 904, "recovered_tokens": 880, "cold_ttft": 1.6417,
                         "warm_ttft": 0.1571},
         "single_flight": flight,

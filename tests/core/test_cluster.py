@@ -209,7 +209,7 @@ def test_trace_overlay_clones_each_record_within_the_jitter() -> None:
     cfg = ClusterConfig(replicas=4, engine_block_size=512)
     ours = simulate_cluster(
         wl,
-        BurstAffinityRouter(BurstRouter(BurstConfig(block_size_tokens=512), names()), baseline()),
+        BurstAffinityRouter(BurstRouter(BurstConfig(block_size=512), names()), baseline()),
         cfg,
     )
     assert ours.groups == 5 and ours.groups_fully_colocated == 1.0

@@ -235,7 +235,7 @@ def test_key_is_capped_at_the_match_limit() -> None:
 
 
 def test_router_hashes_prompts_with_the_partial_block() -> None:
-    router = BurstRouter(BurstConfig(block_size_tokens=4), reps(2))
+    router = BurstRouter(BurstConfig(block_size=4), reps(2))
     short = router.request("a", [1, 2, 3])
     assert len(short.blocks) == 1  # shorter than one block, still keyed
     assert router.request("b", [1, 2, 3, 4, 5]).blocks[0] != short.blocks[0]
@@ -252,7 +252,7 @@ def test_router_hashes_prompts_with_the_partial_block() -> None:
         ("window_ms", 1.5),
         ("max_per_replica", 0),
         ("max_per_replica", -2),
-        ("block_size_tokens", 0),
+        ("block_size", 0),
         ("max_prefix_tokens_to_match", 63),
         ("max_prefix_tokens_to_match", -1),
         ("min_colocate_blocks", -1),
@@ -276,6 +276,20 @@ def test_invalid_config_is_rejected_naming_the_value(field: str, value: object) 
     with pytest.raises(ConfigError) as info:
         BurstConfig(**{field: value})  # type: ignore[arg-type]
     assert field in str(info.value) and repr(value) in str(info.value)
+
+
+def test_block_size_tokens_is_a_deprecated_name_of_block_size() -> None:
+    with pytest.warns(DeprecationWarning, match="block_size_tokens is now block_size") as seen:
+        old = BurstConfig(block_size_tokens=32)  # type: ignore[call-arg]  # hidden from type checkers
+    assert seen[0].filename == __file__  # the warning points at the caller
+    assert old == BurstConfig(block_size=32)
+    with pytest.warns(DeprecationWarning, match="block_size_tokens is now block_size"):
+        assert old.block_size_tokens == 32  # type: ignore[attr-defined]
+    with pytest.warns(DeprecationWarning):  # both names, agreeing
+        same = BurstConfig(block_size=8, block_size_tokens=8)  # type: ignore[call-arg]
+    assert same == BurstConfig(block_size=8)
+    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match="block_size=8"):
+        BurstConfig(block_size=8, block_size_tokens=16)  # type: ignore[call-arg]
 
 
 def test_valid_config_edges() -> None:

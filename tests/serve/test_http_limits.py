@@ -11,7 +11,7 @@ import asyncio
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import MutableMapping, Sequence
 from typing import Any
 
 import pytest
@@ -152,7 +152,7 @@ def test_a_client_that_leaves_as_a_chunk_goes_out_still_closes_the_stream() -> N
         await left.wait()
         return {"type": "http.disconnect"}
 
-    async def send(message: dict[str, Any]) -> None:
+    async def send(message: MutableMapping[str, Any]) -> None:
         if message.get("body"):
             left.set()  # the client goes away as this chunk is written
             await asyncio.sleep(0)  # the write completes one turn of the loop later

@@ -58,7 +58,7 @@ async def route_all(seed: int, requests: int) -> tuple[int, int]:
     routing entry point; return (requests not routed within 1 s, routing tasks left)."""
     rng = random.Random(seed)
     router = BurstRequestRouter(DEPLOYMENT, DeploymentHandleSource.UNKNOWN)
-    router.initialize_state(window_ms=3, block_size_tokens=4, seed=0)
+    router.initialize_state(window_ms=3, block_size=4, seed=0)
     replicas: list[Any] = [ProbedReplica(f"r{i}", rng) for i in range(3)]
     router.update_replicas(replicas)
     shared = tuple(range(1, 9))
@@ -123,7 +123,7 @@ class FailsOnBad(BurstRequestRouter):
 def test_a_request_the_router_fails_on_gets_the_error_and_the_others_are_routed() -> None:
     async def scenario() -> list[object]:
         router = FailsOnBad(DEPLOYMENT, DeploymentHandleSource.UNKNOWN)
-        router.initialize_state(window_ms=3, block_size_tokens=4, seed=0)
+        router.initialize_state(window_ms=3, block_size=4, seed=0)
         replicas: list[Any] = [ProbedReplica(f"r{i}", random.Random(i)) for i in range(2)]
         router.update_replicas(replicas)
 

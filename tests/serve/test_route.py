@@ -61,7 +61,7 @@ class Backend:
         """The sum of this backend's ``name`` samples whose labels include ``labels``."""
         text = httpx.get(self.url + "/metrics", timeout=10).text
         return sum(
-            s.value
+            float(s.value)
             for family in prometheus_parser.text_string_to_metric_families(text)
             for s in family.samples
             if s.name == name and labels.items() <= s.labels.items()

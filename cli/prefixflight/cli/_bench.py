@@ -73,7 +73,7 @@ def document_tokens(tokenizer: Any, n: int, salt: int = 0) -> list[int]:
 def _engine(runner: TransformersRunner, config: TTFTBenchConfig, **kw: Any) -> AsyncEngine:
     cfg = EngineConfig(
         num_pages=runner.pool.num_pages,
-        block_size=config.page_size,
+        block_size=config.block_size,
         max_batch_tokens=config.max_batch_tokens,
         max_running=config.max_running,
         **kw,
@@ -190,7 +190,7 @@ def summarize(
         "dtype": dtype,
         "threads": threads,
         "repetitions": config.repetitions,
-        "page_size": config.page_size,
+        "block_size": config.block_size,
         "output_tokens": config.output_tokens,
         "max_batch_tokens": config.max_batch_tokens,
     }
@@ -266,7 +266,7 @@ def format_tables(report: dict[str, Any]) -> str:
     """The report as plain-text tables (the study's layout, our numbers)."""
     lines = [
         f"model {report['model']} on {report['device']} ({report['dtype']}, "
-        f"{report['threads']} threads), page size {report['page_size']}, "
+        f"{report['threads']} threads), block size {report['block_size']}, "
         f"{report['output_tokens']} output tokens, "
         + ("one run" if report["repetitions"] == 1 else f"median of {report['repetitions']} runs"),
     ]

@@ -190,14 +190,14 @@ def measure_ttft(
     runner = TransformersRunner.for_model(
         loaded.model,
         num_pages=config.num_pages,
-        page_size=config.page_size,
+        block_size=config.block_size,
         device=loaded.model.device,
         dtype=loaded.model.dtype,
     )
     if not args.quiet and sys.stderr is not None:
         print(
             f"{label}: {loaded.name} loaded in {time.perf_counter() - started:.1f} s, with a "
-            f"KV cache of {runner.pool.num_pages} pages of {runner.pool.page_size} tokens",
+            f"KV cache of {runner.pool.num_pages} pages of {runner.pool.block_size} tokens",
             file=sys.stderr,
         )
     if before is not None:
@@ -264,7 +264,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     runner = TransformersRunner.for_model(
         loaded.model,
         num_pages=cal.num_pages(config),
-        page_size=config.page_size,
+        block_size=config.block_size,
         device=loaded.model.device,
         dtype=loaded.model.dtype,
         deduplicate=False,

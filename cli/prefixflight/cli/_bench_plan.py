@@ -29,7 +29,7 @@ class TTFTBenchConfig:
     flight_concurrency: tuple[int, ...] = (2, 4, 8)
     late_prompt_tokens: int = 532
     experiments: tuple[str, ...] = EXPERIMENTS
-    page_size: int = 16
+    block_size: int = 16
     max_batch_tokens: int = 1024
     max_running: int = 16
 
@@ -37,7 +37,7 @@ class TTFTBenchConfig:
         bad = [e for e in self.experiments if e not in EXPERIMENTS]
         if bad:
             raise ConfigError(f"unknown experiment {bad[0]!r} (choose from {sorted(EXPERIMENTS)})")
-        for name in ("repetitions", "output_tokens", "page_size"):
+        for name in ("repetitions", "output_tokens", "block_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if not 0 < self.warm_cached_tokens < self.warm_prompt_tokens:
@@ -49,7 +49,7 @@ class TTFTBenchConfig:
     @property
     def num_pages(self) -> int:
         """Enough pages for the largest experiment's requests plus its cached prompt."""
-        ps = self.page_size
+        ps = self.block_size
         longest = max(
             self.warm_prompt_tokens,
             self.incremental_prompt_tokens,

@@ -53,7 +53,7 @@ class CalibrationConfig:
     reused: int = 480
     suffix: int = 20
     repetitions: int = 5
-    page_size: int = 16
+    block_size: int = 16
 
     def __attrs_post_init__(self) -> None:
         for name in ("prefill_lengths", "decode_batches"):
@@ -62,16 +62,16 @@ class CalibrationConfig:
                 raise ConfigError(f"{name} needs at least two distinct values >= 1, got {values}")
         if self.repetitions < 1:
             raise ConfigError(f"repetitions must be >= 1, got {self.repetitions}")
-        if self.page_size < 1:
-            raise ConfigError(f"page_size must be >= 1, got {self.page_size}")
-        if not (0 < self.reused <= self.context and self.reused % self.page_size == 0):
+        if self.block_size < 1:
+            raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
+        if not (0 < self.reused <= self.context and self.reused % self.block_size == 0):
             raise ConfigError(
-                f"reused must be a multiple of page_size in (0, context], got {self.reused}"
+                f"reused must be a multiple of block_size in (0, context], got {self.reused}"
             )
-        if not 1 <= self.suffix <= self.context - self.reused + self.page_size:
+        if not 1 <= self.suffix <= self.context - self.reused + self.block_size:
             raise ConfigError(f"suffix must be >= 1 and end near the context, got {self.suffix}")
-        if self.context < self.page_size:
-            raise ConfigError(f"context must be >= page_size, got {self.context}")
+        if self.context < self.block_size:
+            raise ConfigError(f"context must be >= block_size, got {self.context}")
 
 
 @attrs.frozen
@@ -84,13 +84,13 @@ class _Case:
     fitted: bool
 
 
-def _pages(first: int, tokens: int, page_size: int) -> tuple[int, ...]:
-    return tuple(range(first, first + -(-tokens // page_size)))
+def _pages(first: int, tokens: int, block_size: int) -> tuple[int, ...]:
+    return tuple(range(first, first + -(-tokens // block_size)))
 
 
 def num_pages(config: CalibrationConfig) -> int:
     """Pages the runner's pool needs for `calibrate`."""
-    ps = config.page_size
+    ps = config.block_size
     span = -(-max(max(config.prefill_lengths), config.context + config.suffix) // ps)
     return 3 * span + max(config.decode_batches)
 
@@ -102,7 +102,7 @@ def _cases(config: CalibrationConfig, tokens: list[int]) -> tuple[StepPlan, list
     suffix's own pages after it), and each decoding request writes its new token into a
     private page after those.
     """
-    ps = config.page_size
+    ps = config.block_size
     ctx = config.context
     span = -(-max(max(config.prefill_lengths), ctx + config.suffix) // ps)
     ctx_pages = _pages(span, ctx, ps)
@@ -239,7 +239,7 @@ def calibrate(
         },
         "cases": rows,
         "repetitions": config.repetitions,
-        "page_size": config.page_size,
+        "block_size": config.block_size,
         "load_average_before": list(load_before),
         "load_average_after": list(os.getloadavg()),
         "other_processes_cores": _others(cpu_before, cpu_after),

@@ -48,7 +48,7 @@ async def _answer(runner: Any, tokenizer: Any) -> str:
     )
     ids = list(getattr(ids, "input_ids", ids))
     stop = tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
-    cfg = EngineConfig(num_pages=runner.pool.num_pages, block_size=runner.pool.page_size)
+    cfg = EngineConfig(num_pages=runner.pool.num_pages, block_size=runner.pool.block_size)
     async with AsyncEngine(runner, cfg) as engine:
         gen = engine.generate(ids, SamplingParams(max_tokens=40, stop_token_ids=stop))
         tokens = [t async for t in gen]

@@ -206,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
                 lone_wait_ms=args.lone_wait_ms,
                 quiet_ms=args.quiet_ms or None,
                 max_per_replica=args.max_per_replica,
-                block_size_tokens=args.block_size,
+                block_size=args.block_size,
                 min_colocate_blocks=args.min_colocate_blocks,
                 max_batch_size=args.max_batch_size,
             ),

@@ -256,7 +256,7 @@ def describe(args: argparse.Namespace, workload: Workload, cluster: ClusterConfi
         f"baseline router: {args.baseline}"
         + (f" (index lag {args.index_lag_ms:g} ms)" if args.baseline == "approx" else ""),
         f"burst router: window {burst.window_ms} ms, k {burst.max_per_replica}, blocks of "
-        f"{burst.block_size_tokens} tokens, max prefix tokens "
+        f"{burst.block_size} tokens, max prefix tokens "
         f"{burst.max_prefix_tokens_to_match},\n  min colocate blocks "
         f"{burst.min_colocate_blocks}, max batch size {burst.max_batch_size} "
         f"({burst.full_batch} when full), balance by {burst.balance_by}",
@@ -285,7 +285,7 @@ def run_router(args: argparse.Namespace) -> int:
         burst_config = BurstConfig(
             window_ms=args.window_ms,
             max_per_replica=args.k,
-            block_size_tokens=route_block,
+            block_size=route_block,
             max_prefix_tokens_to_match=args.max_prefix_tokens,
             min_colocate_blocks=args.min_colocate_blocks,
             max_batch_size=args.max_batch_size,
@@ -329,7 +329,7 @@ def run_router(args: argparse.Namespace) -> int:
                 "burst_config": {
                     "window_ms": burst_config.window_ms,
                     "max_per_replica": burst_config.max_per_replica,
-                    "block_size_tokens": burst_config.block_size_tokens,
+                    "block_size_tokens": burst_config.block_size,
                     "max_prefix_tokens_to_match": burst_config.max_prefix_tokens_to_match,
                     "min_colocate_blocks": burst_config.min_colocate_blocks,
                     "max_batch_size": burst_config.max_batch_size,

@@ -4,14 +4,19 @@ that the simulations, specs, backends and servers, and an engine's own adapter, 
 inputs by the same rules and raise the same errors.
 
 Plain checks (``check_*``) return the value or raise with the offending value named; the
-``*_field`` factories wrap them as attrs validators for config and event classes.
+``*_field`` factories wrap them as attrs validators for config and event classes. A renamed
+parameter keeps its old name working for a while, with a DeprecationWarning: `renamed` for a
+function's keyword, `renamed_attribute` for the attribute, `deprecated_alias` for an attrs
+class's field.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import warnings
 from collections.abc import Callable, Hashable, Iterable
-from typing import Any, NoReturn, TypeAlias, TypeGuard, cast
+from typing import Any, NoReturn, TypeAlias, TypeGuard, TypeVar, cast
 
 from ._errors import ConfigError, UsageError
 
@@ -32,6 +37,7 @@ __all__ = [
     "check_time",
     "check_token_ids",
     "choice_field",
+    "deprecated_alias",
     "instance_field",
     "int_field",
     "is_int",
@@ -39,6 +45,8 @@ __all__ = [
     "number_field",
     "optional_int_field",
     "ratio_field",
+    "renamed",
+    "renamed_attribute",
     "request_id_field",
     "time_field",
 ]
@@ -56,6 +64,8 @@ INT64_MAX = 2**63 - 1
 CheckedInt: TypeAlias = int | bool
 CheckedFloat: TypeAlias = float | int
 Validator = Callable[[Any, Any, Any], None]
+_T = TypeVar("_T")
+_C = TypeVar("_C", bound=type)
 
 
 def is_int(value: object) -> TypeGuard[int]:
@@ -304,6 +314,61 @@ def request_id_field() -> Validator:
         check_request_id(attribute.name, value)
 
     return check
+
+
+# -- renamed parameters --------------------------------------------------------------------
+def _renamed_warning(owner: str, old: str, new: str, stacklevel: int) -> None:
+    """Warn at the frame ``stacklevel`` above this function's caller."""
+    message = f"{owner}'s {old} is now {new}; {old} will be removed"
+    warnings.warn(message, DeprecationWarning, stacklevel=stacklevel + 1)
+
+
+def renamed(owner: str, old: str, old_value: _T | None, new: str, new_value: _T, given: bool) -> _T:
+    """The value of a parameter that was renamed from ``old`` to ``new``: ``new_value``, or
+    ``old_value`` when the caller used the old name (a DeprecationWarning naming both).
+    ``given``: the caller passed ``new`` too, which is a `ConfigError` unless the two agree."""
+    if old_value is None:
+        return new_value
+    _renamed_warning(owner, old, new, stacklevel=3)  # the frame that called the caller
+    if given and new_value != old_value:
+        raise ConfigError(
+            f"{owner}: give {new} only, not also {old} (got {new}={new_value!r}, "
+            f"{old}={old_value!r})"
+        )
+    return old_value
+
+
+def renamed_attribute(owner: str, old: str, new: str) -> property:
+    """A read-only property under the old name ``old`` of the attribute ``new``, which warns."""
+
+    def get(self: Any) -> Any:
+        _renamed_warning(owner, old, new, stacklevel=2)
+        return getattr(self, new)
+
+    return property(get, doc=f"Deprecated: `{new}`.")
+
+
+def deprecated_alias(old: str, new: str) -> Callable[[_C], _C]:
+    """A class decorator for an attrs class whose field ``new`` was called ``old``: its
+    constructor takes ``old`` too, and the attribute ``old`` reads ``new``, each with a
+    DeprecationWarning. Type checkers see the class as it is, without the old name."""
+
+    def decorate(cls: _C) -> _C:
+        init: Callable[..., None] = cls.__init__  # type: ignore[misc]
+
+        @functools.wraps(init)
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            if old in kwargs:
+                value = kwargs.pop(old)
+                given = new in kwargs
+                kwargs[new] = renamed(cls.__name__, old, value, new, kwargs.get(new, value), given)
+            init(self, *args, **kwargs)
+
+        cls.__init__ = __init__  # type: ignore[misc]
+        setattr(cls, old, renamed_attribute(cls.__name__, old, new))
+        return cls
+
+    return decorate
 
 
 def assert_never(value: NoReturn) -> NoReturn:

@@ -245,7 +245,7 @@ class RoutingState:
             self._route_hashers,
             request.namespace,
             lambda: BlockHasher(
-                block_size=self._burst_config.block_size_tokens,
+                block_size=self._burst_config.block_size,
                 namespace=request.namespace,
                 include_partial=True,
             ),

@@ -190,7 +190,7 @@ class RouteConfig:
     """The router's settings.
 
     - ``policy``: ``"burst"`` (default), ``"prefix"`` or ``"round_robin"``.
-    - ``burst``: the window (`BurstConfig`; route keys of ``block_size_tokens``).
+    - ``burst``: the window (`BurstConfig`; route keys of its ``block_size``).
     - ``engine_block_size``: the backends' KV block size (residency keys).
     - ``max_in_flight``: requests relayed at once; past it, 429 with ``Retry-After``.
     - ``timeout_s``: the longest wait for the next bytes of a backend's answer (a stream's

@@ -80,7 +80,7 @@ def reference_assign(
     cap = config.max_prefix_blocks
     k = config.max_per_replica
     m = config.min_colocate_blocks
-    bs = config.block_size_tokens
+    bs = config.block_size
     key = {r.request_id: tuple(r.blocks[:cap]) for r in requests}
 
     # Identical groups, in order of first arrival; empty prefixes are never grouped.
@@ -378,7 +378,7 @@ def burst_configs(draw: st.DrawFn) -> BurstConfig:
     return BurstConfig(
         window_ms=window_ms,
         max_per_replica=draw(st.sampled_from([-1, 1, 2, 3])),
-        block_size_tokens=4,
+        block_size=4,
         max_prefix_tokens_to_match=draw(st.sampled_from([0, 8, 12])),
         min_colocate_blocks=draw(st.sampled_from([0, 1, 2])),
         max_batch_size=draw(st.sampled_from([-1, 1, 3, 6])),

@@ -23,10 +23,9 @@ import enum
 import itertools
 import logging
 import time
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, final
+from typing import Any, final
 
 import attrs
 
@@ -46,7 +45,13 @@ from prefixflight.core import (
 )
 from prefixflight.core.cache import POLICIES, EventSink, make_policy
 from prefixflight.core.flight._pages import pages_for
-from prefixflight.core.validate import check_int, instance_field, int_field, optional_int_field
+from prefixflight.core.validate import (
+    check_int,
+    deprecated_alias,
+    instance_field,
+    int_field,
+    optional_int_field,
+)
 
 from ._runner import TransformersRunner
 from ._sampling import SamplingParams
@@ -78,9 +83,7 @@ def _check_max_wait(_i: object, _a: object, value: Any) -> None:
         raise ConfigError(f"max_wait must be None or a number of seconds >= 0, got {value!r}")
 
 
-_PAGE_SIZE_DEPRECATED = "EngineConfig's page_size is now block_size; page_size will be removed"
-
-
+@deprecated_alias("page_size", "block_size")
 @attrs.frozen(kw_only=True)
 class EngineConfig:
     """How an `AsyncEngine` schedules.
@@ -113,24 +116,6 @@ class EngineConfig:
     eviction: str = attrs.field(default="lru", validator=_check_eviction)
     max_wait: float | None = attrs.field(default=None, validator=_check_max_wait)
     min_shared_blocks: int | None = attrs.field(default=None, validator=optional_int_field(1))
-
-    if not TYPE_CHECKING:  # type checkers see the attrs __init__, without the old name
-
-        def __init__(self, *, page_size=None, **kwargs):
-            if page_size is not None:
-                warnings.warn(_PAGE_SIZE_DEPRECATED, DeprecationWarning, stacklevel=2)
-                if "block_size" in kwargs:
-                    raise ConfigError(
-                        f"give block_size only, not also page_size (got {page_size!r})"
-                    )
-                kwargs["block_size"] = page_size
-            self.__attrs_init__(**kwargs)
-
-    @property
-    def page_size(self) -> int:
-        """Deprecated: `block_size`."""
-        warnings.warn(_PAGE_SIZE_DEPRECATED, DeprecationWarning, stacklevel=2)
-        return self.block_size
 
     def __attrs_post_init__(self) -> None:
         if self.max_batch_tokens < self.max_running:
@@ -351,10 +336,10 @@ class AsyncEngine:
     ) -> None:
         config = EngineConfig() if config is None else config
         pool = runner.pool
-        if config.block_size != pool.page_size:
+        if config.block_size != pool.block_size:
             raise ConfigError(
-                f"config block_size {config.block_size} != the runner's pool page_size "
-                f"{pool.page_size}"
+                f"config block_size {config.block_size} != the runner's pool block_size "
+                f"{pool.block_size}"
             )
         if config.num_pages > pool.num_pages:
             raise ConfigError(
@@ -404,7 +389,7 @@ class AsyncEngine:
         runner = TransformersRunner.for_model(
             model,
             num_pages=config.num_pages,
-            page_size=config.block_size,
+            block_size=config.block_size,
             device=device,
             dtype=dtype,
             attention=attention,

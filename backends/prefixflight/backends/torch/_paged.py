@@ -117,13 +117,13 @@ class _Batch:
         rows: Sequence[tuple[int, int]],
         tables: Sequence[Sequence[int]],
         index: torch.Tensor | None,
-        page_size: int,
+        block_size: int,
         dev: torch.device,
     ) -> None:
         self.rows = len(rows)
         self.q = q = max(n for _, n in rows)
         self.index = index  # the rows' tokens among the step's (None: all of them, in order)
-        groups, counts = _groups(rows, tables, page_size)
+        groups, counts = _groups(rows, tables, block_size)
         shared = max(counts, default=0)
         of_row = [0] * self.rows  # each row's shared pages
         for g, members in enumerate(groups):
@@ -140,7 +140,7 @@ class _Batch:
         self.group_rows: torch.Tensor | None = None
         self.row_slots: torch.Tensor | None = None
         if shared:
-            self._share(groups, counts, tables, page_size, dev)
+            self._share(groups, counts, tables, block_size, dev)
         width = max(len(t) - c for t, c in zip(tables, of_row, strict=True))
         rest = [[*t[c:]] + [0] * (width - len(t) + c) for t, c in zip(tables, of_row, strict=True)]
         self.pages = torch.tensor(rest, dtype=torch.long).view(-1).to(dev)
@@ -149,8 +149,8 @@ class _Batch:
         # query positions [rows, q]; a padding query gets position 0 (it sees key 0, shared
         # or its row's first page, so no row of scores is empty; its output is dropped)
         qpos = [[0] * (q - n) + list(range(start, start + n)) for start, n in rows]
-        columns = torch.arange(width * page_size, device=dev)
-        keys = columns + torch.tensor(of_row, device=dev).unsqueeze(-1) * page_size  # [rows, W]
+        columns = torch.arange(width * block_size, device=dev)
+        keys = columns + torch.tensor(of_row, device=dev).unsqueeze(-1) * block_size  # [rows, W]
         qp = torch.tensor(qpos, dtype=torch.long, device=dev)
         self.allowed = keys.unsqueeze(1) <= qp.unsqueeze(-1)  # [rows, q, W]
         self.bias: dict[torch.dtype, torch.Tensor] = {}
@@ -160,7 +160,7 @@ class _Batch:
         groups: list[list[int]],
         counts: list[int],
         tables: Sequence[Sequence[int]],
-        page_size: int,
+        block_size: int,
         dev: torch.device,
     ) -> None:
         """Where the groups' shared pages are read from (one consecutive span, or pages to
@@ -168,7 +168,7 @@ class _Batch:
         of a group's keys past its own shared pages."""
         shared = self.shared
         if len(groups) == 1 and all(b == a + 1 for a, b in itertools.pairwise(tables[0][:shared])):
-            self.shared_span = tables[0][0] * page_size
+            self.shared_span = tables[0][0] * block_size
         else:
             padded = [
                 [*tables[m[0]][:c]] + [0] * (shared - c)
@@ -185,10 +185,10 @@ class _Batch:
             self.group_rows = torch.tensor(slots, dtype=torch.long, device=dev)
             self.row_slots = torch.tensor(where, dtype=torch.long, device=dev)
         if min(counts) < shared:  # a group's keys past its shared pages are masked
-            cols = torch.arange(shared * page_size, device=dev)
-            seen = torch.tensor(counts, device=dev).unsqueeze(-1) * page_size
+            cols = torch.arange(shared * block_size, device=dev)
+            seen = torch.tensor(counts, device=dev).unsqueeze(-1) * block_size
             self.shared_seen = (cols.unsqueeze(0) < seen).view(
-                1, len(groups), 1, shared * page_size
+                1, len(groups), 1, shared * block_size
             )
 
     def bias_of(self, dtype: torch.dtype) -> torch.Tensor:
@@ -229,7 +229,7 @@ class _Batch:
 
 
 def _groups(
-    rows: Sequence[tuple[int, int]], tables: Sequence[Sequence[int]], page_size: int
+    rows: Sequence[tuple[int, int]], tables: Sequence[Sequence[int]], block_size: int
 ) -> tuple[list[list[int]], list[int]]:
     """The groups of rows whose tables start with the same page, and each group's shared
     pages: those all its tables start with, up to the first query of any of its rows. Rows
@@ -242,7 +242,7 @@ def _groups(
     for g, members in enumerate(groups):
         first = tables[members[0]]
         limit = min(
-            min(rows[i][0] for i in members) // page_size, *(len(tables[i]) for i in members)
+            min(rows[i][0] for i in members) // block_size, *(len(tables[i]) for i in members)
         )
         while counts[g] < limit and all(tables[i][counts[g]] == first[counts[g]] for i in members):
             counts[g] += 1
@@ -315,7 +315,7 @@ class PagedStep:
     ) -> None:
         self.pool = pool
         dev = pool.device
-        ps = pool.page_size
+        ps = pool.block_size
         self.rows = len(rows)
         lengths = [n for _, n, _ in rows]
         self.tokens = sum(lengths)
@@ -378,7 +378,7 @@ class PagedStep:
         if start:
             lone.context = start + end - begin
             if all(b == a + 1 for a, b in itertools.pairwise(used)):
-                lone.span = used[0] * self.pool.page_size
+                lone.span = used[0] * self.pool.block_size
             else:
                 lone.pages = torch.tensor(used, dtype=torch.long, device=self.pool.device)
         return lone
@@ -469,8 +469,8 @@ class PagedStep:
             keys, values = k_pool[:, lone.span : end], v_pool[:, lone.span : end]
         else:
             assert lone.pages is not None
-            keys = _gather(k_pool, lone.pages, self.pool.page_size)[:, : lone.context]
-            values = _gather(v_pool, lone.pages, self.pool.page_size)[:, : lone.context]
+            keys = _gather(k_pool, lone.pages, self.pool.block_size)[:, : lone.context]
+            values = _gather(v_pool, lone.pages, self.pool.block_size)[:, : lone.context]
         keys, values = keys.to(dt), values.to(dt)
         if (query.shape[0] > 1 or lone.per_row) and _flash_fits(query, keys):
             return _flash(query, keys, values, lone.start, scale)
@@ -492,7 +492,7 @@ class PagedStep:
         group = heads // kv_heads
         rows, q = batch.rows, batch.q
         dt = query.dtype
-        ps = self.pool.page_size
+        ps = self.pool.block_size
         width = batch.allowed.shape[-1]
         keys = _gather(k_pool, batch.pages, ps).view(kv_heads * rows, width, dim).to(dt)
         values = _gather(v_pool, batch.pages, ps).view(kv_heads * rows, width, dim).to(dt)
@@ -638,10 +638,10 @@ def _flash(
     return merged if merged.dtype == query.dtype else merged.to(query.dtype)
 
 
-def _gather(pool_view: torch.Tensor, pages: torch.Tensor, page_size: int) -> torch.Tensor:
+def _gather(pool_view: torch.Tensor, pages: torch.Tensor, block_size: int) -> torch.Tensor:
     """Whole pages of one layer's ``[kv_heads, slots, D]``: ``[kv_heads, pages * size, D]``."""
     kv_heads, slots, dim = pool_view.shape
-    paged = pool_view.view(kv_heads, slots // page_size, page_size, dim)
+    paged = pool_view.view(kv_heads, slots // block_size, block_size, dim)
     return paged.index_select(1, pages).view(kv_heads, -1, dim)
 
 

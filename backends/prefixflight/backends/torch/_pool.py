@@ -2,11 +2,11 @@
 
 The pool only stores and gathers. Which page holds which tokens is decided by the core
 (`PrefixCache` pages, `StepPlan` page tables); a page table maps a request's position ``p``
-to slot ``pages[p // page_size] * page_size + p % page_size``.
+to slot ``pages[p // block_size] * block_size + p % block_size``.
 
-Layout: ``[layers, 2, kv_heads, num_pages * page_size, head_dim]`` (2 = keys, values),
+Layout: ``[layers, 2, kv_heads, num_pages * block_size, head_dim]`` (2 = keys, values),
 head-major like vLLM's CPU cache: within one layer and head a page is one contiguous run of
-``page_size * head_dim`` values, so the paged attention gathers whole pages (one index per
+``block_size * head_dim`` values, so the paged attention gathers whole pages (one index per
 page, not per token) into ``[kv_heads, rows, tokens, head_dim]``, the layout its batched
 matrix products read without another copy. Writing a request's new tokens into their pages
 and gathering a request's context are still one ``index_copy_`` and one ``index_select``
@@ -21,7 +21,7 @@ from typing import Any, final
 import torch
 
 from prefixflight.core import CapacityError, UsageError
-from prefixflight.core.validate import check_int
+from prefixflight.core.validate import check_int, renamed, renamed_attribute
 
 from ._device import resolve_device, resolve_dtype
 
@@ -30,22 +30,22 @@ __all__ = ["PagedKVPool"]
 
 @final
 class PagedKVPool:
-    """Preallocated KV storage for ``num_pages`` pages of ``page_size`` tokens.
+    """Preallocated KV storage for ``num_pages`` pages of ``block_size`` tokens.
 
     ``device`` defaults to CUDA when available, else CPU; ``dtype`` to bf16 on CUDA and on
-    CPUs with native bf16, else fp32.
+    CPUs with native bf16, else fp32. ``page_size`` is the deprecated name of ``block_size``.
     """
 
     __slots__ = (
         "_followers",
         "_kv",
+        "block_size",
         "device",
         "dtype",
         "head_dim",
         "num_kv_heads",
         "num_layers",
         "num_pages",
-        "page_size",
         "version",
     )
 
@@ -56,25 +56,29 @@ class PagedKVPool:
         num_kv_heads: int,
         head_dim: int,
         num_pages: int,
-        page_size: int = 16,
+        block_size: int = 16,
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
+        page_size: int | None = None,
     ) -> None:
+        block_size = renamed(
+            "PagedKVPool", "page_size", page_size, "block_size", block_size, block_size != 16
+        )
         self.num_layers = check_int("num_layers", num_layers, minimum=1)
         self.num_kv_heads = check_int("num_kv_heads", num_kv_heads, minimum=1)
         self.head_dim = check_int("head_dim", head_dim, minimum=1)
         self.num_pages = check_int("num_pages", num_pages, minimum=1)
-        self.page_size = check_int("page_size", page_size, minimum=1)
+        self.block_size = check_int("block_size", block_size, minimum=1)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.version = 0  # bumped by every write and copy: cached gathers compare it
         self._followers: list[Callable[[torch.Tensor], None]] = []
-        shape = (num_layers, 2, num_kv_heads, num_pages * page_size, head_dim)
+        shape = (num_layers, 2, num_kv_heads, num_pages * block_size, head_dim)
         try:
             self._kv = torch.zeros(shape, dtype=self.dtype, device=self.device)
         except (RuntimeError, MemoryError) as exc:  # torch raises RuntimeError (or OOM error)
             raise CapacityError(
-                f"cannot allocate {num_pages} pages of {page_size} tokens "
+                f"cannot allocate {num_pages} pages of {block_size} tokens "
                 f"({_bytes(shape, self.dtype) / 2**20:.0f} MiB): {exc}"
             ) from None
 
@@ -84,11 +88,15 @@ class PagedKVPool:
         config: Any,
         *,
         num_pages: int,
-        page_size: int = 16,
+        block_size: int = 16,
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
+        page_size: int | None = None,
     ) -> PagedKVPool:
         """A pool shaped for a transformers model config (Llama, Qwen2 and alike)."""
+        block_size = renamed(
+            "PagedKVPool", "page_size", page_size, "block_size", block_size, block_size != 16
+        )
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         return cls(
@@ -96,10 +104,12 @@ class PagedKVPool:
             num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
             head_dim=head_dim,
             num_pages=num_pages,
-            page_size=page_size,
+            block_size=block_size,
             device=device,
             dtype=dtype,
         )
+
+    page_size = renamed_attribute("PagedKVPool", "page_size", "block_size")
 
     # -- sizes -----------------------------------------------------------------------------
     @property
@@ -112,7 +122,7 @@ class PagedKVPool:
 
     def __repr__(self) -> str:
         return (
-            f"PagedKVPool(num_pages={self.num_pages}, page_size={self.page_size}, "
+            f"PagedKVPool(num_pages={self.num_pages}, block_size={self.block_size}, "
             f"layers={self.num_layers}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
             f"device={self.device}, dtype={self.dtype}, {self.nbytes / 2**20:.0f} MiB)"
         )
@@ -120,10 +130,10 @@ class PagedKVPool:
     # -- addressing ------------------------------------------------------------------------
     def check_pages(self, pages: Sequence[int], length: int, *, what: str = "request") -> None:
         """Raise `UsageError` unless ``pages`` are valid pages covering ``length`` tokens."""
-        need = -(-length // self.page_size)
+        need = -(-length // self.block_size)
         if len(pages) < need:
             raise UsageError(
-                f"{what}: {len(pages)} pages cover {len(pages) * self.page_size} tokens, "
+                f"{what}: {len(pages)} pages cover {len(pages) * self.block_size} tokens, "
                 f"need {length}"
             )
         for p in pages[:need]:
@@ -132,7 +142,7 @@ class PagedKVPool:
 
     def slots(self, pages: Sequence[int], start: int, stop: int) -> torch.Tensor:
         """Slot indices of positions ``[start, stop)`` under the page table ``pages``."""
-        ps = self.page_size
+        ps = self.block_size
         pos = torch.arange(start, stop)
         table = torch.as_tensor(pages[: -(-stop // ps)], dtype=torch.long)
         return (table[pos // ps] * ps + pos % ps).to(self.device)
@@ -165,7 +175,7 @@ class PagedKVPool:
 
         For the paged attention path, which writes and reads them inside the model's
         attention; whoever writes through them calls `mark_written`. A page ``p`` is slots
-        ``[p * page_size, (p + 1) * page_size)``: ``view(kv_heads, num_pages, page_size,
+        ``[p * block_size, (p + 1) * block_size)``: ``view(kv_heads, num_pages, block_size,
         head_dim)`` addresses whole pages.
         """
         return self._kv[layer, 0], self._kv[layer, 1]
@@ -183,9 +193,9 @@ class PagedKVPool:
         return self._kv.index_select(3, slots).transpose(2, 3)
 
     def page_tensor(self, page: int) -> torch.Tensor:
-        """A copy of one page's KV, ``[layers, 2, page_size, kv_heads, head_dim]`` (for tests)."""
-        s = page * self.page_size
-        return self._kv[:, :, :, s : s + self.page_size].transpose(2, 3).clone()
+        """A copy of one page's KV, ``[layers, 2, block_size, kv_heads, head_dim]`` (for tests)."""
+        s = page * self.block_size
+        return self._kv[:, :, :, s : s + self.block_size].transpose(2, 3).clone()
 
 
 def _bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:

@@ -45,7 +45,7 @@ from prefixflight.core import (
     StepResult,
     UsageError,
 )
-from prefixflight.core.validate import check_int
+from prefixflight.core.validate import check_int, renamed
 
 from ._fused import FusedForward, unsupported
 from ._paged import STEP_KWARG, PagedStep, register_paged_attention
@@ -204,7 +204,7 @@ class TransformersRunner:
         model: Any,
         *,
         num_pages: int,
-        page_size: int = 16,
+        block_size: int = 16,
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
         long_chunk: int = 64,
@@ -213,16 +213,21 @@ class TransformersRunner:
         attention: str = "paged",
         fused: bool = True,
         vllm_library: str | Path | None = None,
+        page_size: int | None = None,
     ) -> TransformersRunner:
-        """Move ``model`` to ``device``/``dtype`` and give it a pool.
+        """Move ``model`` to ``device``/``dtype`` and give it a pool of ``num_pages`` pages
+        of ``block_size`` tokens (``page_size``: the deprecated name of ``block_size``).
 
         ``device`` None: CUDA if present, else CPU. ``dtype`` None: the model's own dtype
         (`load_smollm2` loads bf16 where the hardware has it).
         """
+        block_size = renamed(
+            "TransformersRunner", "page_size", page_size, "block_size", block_size, block_size != 16
+        )
         if dtype is None:
             dtype = next(model.parameters()).dtype
         pool = PagedKVPool.for_model(
-            model.config, num_pages=num_pages, page_size=page_size, device=device, dtype=dtype
+            model.config, num_pages=num_pages, block_size=block_size, device=device, dtype=dtype
         )
         model = model.to(device=pool.device, dtype=pool.dtype)
         return cls(
@@ -334,7 +339,7 @@ class TransformersRunner:
         uncoordinated baseline stays uncoordinated; so do rows that others read from in this
         step (a copy is written after every pass, too late for its readers).
         """
-        ps = self.pool.page_size
+        ps = self.pool.block_size
         first: dict[tuple[int, tuple[int, ...], tuple[int, ...]], _Row] = {}
         unique: list[_Row] = []
         copies: list[tuple[_Row, _Row]] = []
@@ -498,7 +503,7 @@ class _Kept(NamedTuple):
         """Whether ``group`` is these rows' next tokens over unchanged pages."""
         if self.version != pool.version or len(group) != len(self.rows):
             return False
-        ps = pool.page_size
+        ps = pool.block_size
         for old, new in zip(self.rows, group, strict=True):
             n = -(-new.start // ps)
             if (

