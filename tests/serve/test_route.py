@@ -22,17 +22,9 @@ prometheus_parser = pytest.importorskip("prometheus_client.parser")
 
 from ..conftest import source_env  # noqa: E402
 from .conftest import MODEL_NAME, PAGE, CharCodec, ServerThread, openai_client  # noqa: E402
+from .test_http import metrics, until, value  # noqa: E402
 
 pytestmark = pytest.mark.torch
-WAIT = 30.0
-
-
-def until(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + WAIT
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)  # polling a real condition, bounded above
 
 
 class Backend:
@@ -57,23 +49,13 @@ class Backend:
         self.server.start()
         self.url = self.server.base_url
 
-    def _counter(self, name: str, **labels: str) -> float:
-        """The sum of this backend's ``name`` samples whose labels include ``labels``."""
-        text = httpx.get(self.url + "/metrics", timeout=10).text
-        return sum(
-            float(s.value)
-            for family in prometheus_parser.text_string_to_metric_families(text)
-            for s in family.samples
-            if s.name == name and labels.items() <= s.labels.items()
-        )
-
     def requests_served(self) -> float:
         """Prompt tokens this backend has seen (its own vllm:prompt_tokens counter)."""
-        return self._counter("vllm:prompt_tokens_total")
+        return value(metrics(self.server), "vllm:prompt_tokens_total")
 
     def aborted(self) -> float:
         """Requests this backend has aborted (its vllm:request_success_total for "abort")."""
-        return self._counter("vllm:request_success_total", finished_reason="abort")
+        return value(metrics(self.server), "vllm:request_success_total", finished_reason="abort")
 
     def unfinished(self) -> bool:
         async def read() -> bool:
